@@ -1,0 +1,26 @@
+"""Micro config for tests and smoke runs: the default config, shrunk to run in seconds on CPU."""
+
+from ml_collections import ConfigDict
+
+from tltjax import default_config
+
+
+def get_config() -> ConfigDict:
+    """Returns the default config with tiny sizes."""
+    config = default_config.get_config()
+    config.workdir = "runs/micro"
+
+    config.model.hidden_size = 64
+    config.model.intermediate_size = 128
+    config.model.num_hidden_layers = 2
+    config.model.num_attention_heads = 2
+    config.model.num_key_value_heads = 1
+
+    config.task.num_train = 512
+
+    config.sft.batch_size = 8
+    config.sft.seq_len = 128
+    config.sft.steps = 30
+
+    config.generate.max_new_tokens = 64
+    return config

@@ -1,0 +1,51 @@
+"""The embedded default config: a tiny Qwen2-style model trained by SFT on a toy task.
+
+This module ships inside the package, so `python -m tltjax.main` works without a
+checkout of `configs/`. `configs/default.py` re-exports it, and the other config
+files start from it and change only what differs, so every default lives here once.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+    """Returns the default config (job `sft_demo`)."""
+    config = ConfigDict()
+    config.job = "sft_demo"
+    config.seed = 0
+    config.workdir = "runs/default"
+    # Empty: $TLTJAX_CACHE, else ~/.cache/tltjax (see tltjax.paths.cache_dir).
+    config.cache_dir = ""
+
+    # A tiny Qwen2-style decoder. Field names follow HF config.json.
+    config.model = ConfigDict()
+    config.model.vocab_size = 0  # 0: take the size from the tokenizer.
+    config.model.hidden_size = 256
+    config.model.intermediate_size = 704
+    config.model.num_hidden_layers = 4
+    config.model.num_attention_heads = 4
+    config.model.num_key_value_heads = 2
+    config.model.rope_theta = 10000.0
+    config.model.tie_word_embeddings = True
+    config.model.max_position_embeddings = 512
+
+    config.task = ConfigDict()
+    config.task.name = "longtail_arith"
+    config.task.num_train = 20000
+    config.task.num_eval = 256
+
+    config.sft = ConfigDict()
+    config.sft.batch_size = 32
+    config.sft.seq_len = 256
+    config.sft.lr = 3e-3
+    config.sft.warmup_steps = 50
+    config.sft.steps = 1500
+    config.sft.weight_decay = 0.01
+    config.sft.grad_clip = 1.0
+    config.sft.log_every = 50
+
+    config.generate = ConfigDict()
+    config.generate.max_new_tokens = 256
+    config.generate.temperature = 0.0
+    config.generate.num_samples_to_print = 4
+    return config

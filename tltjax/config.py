@@ -130,7 +130,7 @@ def set_from_string(config: ConfigDict, key: str, value: str) -> None:
         here = ".".join(["config", *parts[:depth]])
         if not isinstance(node, ConfigDict):
             raise ConfigError(
-                f"cannot set config.{key}: {here} is a {type(node).__name__} ({node!r}), not a section")
+                f"cannot set config.{key}: {here} is a value ({node!r}), not a section")
         if name not in node:
             raise ConfigError(_unknown_key_message(node, name, here, key))
         if depth < len(parts) - 1:

@@ -8,6 +8,7 @@ message, without a traceback.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from tltjax import config as config_lib
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _print_help(argv: list[str], default) -> None:
+def _print_help(argv: list[str], default: Path) -> None:
     print(USAGE.format(default=_display(default)))
     print("configs: " + (", ".join(config_lib.available_configs()) or "(no configs/ directory)"))
     print("jobs: " + ", ".join(sorted(jobs.JOBS)))
@@ -64,7 +65,7 @@ def _print_help(argv: list[str], default) -> None:
         print(f"\nfields:\n{config_lib.format_config(config)}")
 
 
-def _display(path) -> str:
+def _display(path: Path) -> str:
     try:
         return str(path.relative_to(config_lib.REPO_ROOT))
     except ValueError:

@@ -3,7 +3,7 @@
 from tltjax.models.config import ModelConfig, UnsupportedModelError
 from tltjax.models.hf import CheckpointError, from_pretrained, save_pretrained
 from tltjax.models.kv_cache import ContiguousKVCache
-from tltjax.models.transformer import CausalLM, ModelOutput
+from tltjax.models.transformer import CausalLM, ModelOutput, forward
 
 __all__ = [
     "CausalLM",
@@ -12,6 +12,7 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "UnsupportedModelError",
+    "forward",
     "from_pretrained",
     "save_pretrained",
 ]

@@ -10,6 +10,7 @@ maps them to mesh axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -252,3 +253,27 @@ class CausalLM(nnx.Module):
             cache = cache.advance(t if advance is None else advance)
         hs = tuple(hidden[i] for i in hidden_layers) if hidden_layers else None
         return ModelOutput(logits=logits, hidden_states=hs, cache=cache)
+
+
+@functools.partial(nnx.jit, static_argnames=("hidden_layers", "return_logits"))
+def forward(
+    model: CausalLM,
+    input_ids: Int[Array, "batch seq"],
+    *,
+    positions=None,
+    mask=None,
+    cache=None,
+    advance=None,
+    hidden_layers: tuple[int, ...] = (),
+    return_logits: bool = True,
+) -> ModelOutput:
+    """`CausalLM.__call__` under `jit` (compiled once per shape and option set)."""
+    return model(
+        input_ids,
+        positions=positions,
+        mask=mask,
+        cache=cache,
+        advance=advance,
+        hidden_layers=hidden_layers,
+        return_logits=return_logits,
+    )

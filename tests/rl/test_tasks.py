@@ -1,0 +1,88 @@
+"""Tests for tltjax/rl/tasks.py: the task registry and the longtail_arith task."""
+
+import operator
+import re
+
+import numpy as np
+import pytest
+
+from tltjax.rl import tasks
+
+STEP = re.compile(r"^(\d+)([+\-*])(\d+)=(\d+)$")
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return tasks.generate(5000, seed=0)
+
+
+def test_registry_lookup():
+    """`get_task` returns the registered task and names the known tasks for an unknown one."""
+    task = tasks.get_task("longtail_arith")
+    assert task is tasks.TASKS["longtail_arith"]
+    assert (task.generate, task.score) == (tasks.generate, tasks.score)
+    assert task.alphabet == tasks.alphabet
+    with pytest.raises(KeyError, match="unknown task 'nope'.*longtail_arith"):
+        tasks.get_task("nope")
+
+
+def test_generate_is_deterministic_by_seed():
+    """The same seed gives the same examples; another seed gives different ones."""
+    assert tasks.generate(200, seed=3) == tasks.generate(200, seed=3)
+    assert tasks.generate(200, seed=3) != tasks.generate(200, seed=4)
+    assert tasks.generate(50, seed=3, max_steps=5) == tasks.generate(50, seed=3, max_steps=5)
+
+
+def test_solution_steps_are_correct(examples):
+    """Each response is a chain of true steps that follows the prompt's operations in order,
+    stays within [0, 99], and ends with `#answer` for the last value; all chars in `alphabet`."""
+    for ex in examples:
+        start, *ops = ex.prompt.split(" ")
+        *lines, final = ex.response.split("\n")
+        assert len(ops) == len(lines) == ex.num_steps >= 1
+        value = int(start)
+        for op_text, line in zip(ops, lines):
+            a, op, b, c = STEP.match(line).groups()
+            assert (int(a), op + b) == (value, op_text)
+            assert int(c) == OPS[op](int(a), int(b)) and 0 <= int(c) <= 99
+            value = int(c)
+        assert final == f"#{value}" and ex.answer == str(value)
+        assert set(ex.prompt + ex.response) <= set(tasks.alphabet)
+
+
+def test_reference_scores_one_and_corruptions_score_zero(examples):
+    """The reference response scores 1.0; a wrong, missing or later-only answer scores 0.0."""
+    for ex in examples[:500]:
+        assert tasks.score(ex.response, ex.answer) == 1.0
+        body = ex.response.rsplit("\n", 1)[0]
+        wrong = str(int(ex.answer) + 1)
+        assert tasks.score(f"{body}\n#{wrong}", ex.answer) == 0.0
+        assert tasks.score(body, ex.answer) == 0.0
+        assert tasks.score(f"{body}\n#{wrong}\n#{ex.answer}", ex.answer) == 0.0  # first # counts
+
+
+def test_response_lengths_are_long_tailed(examples):
+    """Over 5000 examples, p99 response length is at least 4x the median."""
+    stats = tasks.length_stats(examples)
+    assert stats["ratio_p99_median"] >= 4.0, stats
+    assert stats["median"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+
+
+def test_score_never_raises_on_garbage():
+    """`score` returns 0.0 or 1.0 for random strings and non-string inputs, never raising."""
+    rng = np.random.default_rng(0)
+    chars = list(tasks.alphabet + "abc\t\x00é<|>")
+    for _ in range(2000):
+        text = "".join(rng.choice(chars, size=rng.integers(0, 30)))
+        assert tasks.score(text, "7") in (0.0, 1.0)
+    for response, answer in [(None, "1"), (b"#1", "1"), (12, "12"), ("#1", None), ("#1", 1)]:
+        assert tasks.score(response, answer) == 0.0
+
+
+def test_bad_knobs_are_clear_errors():
+    """Out-of-range knobs raise errors naming the knob and its value."""
+    with pytest.raises(ValueError, match="p_stop must be in"):
+        tasks.generate(1, seed=0, p_stop=0.0)
+    with pytest.raises(ValueError, match="max_operand=1"):
+        tasks.generate(1, seed=0, max_operand=1)

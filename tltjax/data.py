@@ -1,0 +1,141 @@
+"""Supervised fine-tuning batches for decoder LMs, formatted exactly as prompts are at rollout.
+
+A training row is
+
+    [<bos>] + chat(user=prompt, add_generation_prompt=True) + response + <eos> + <pad>...
+
+`encode_prompts` returns the first part (everything up to the response), so generation starts
+from the very prefix the model was trained on. `<bos>` is prepended only when the tokenizer has
+one and the chat template did not already emit it (Qwen has none; Llama 3's template writes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from tltjax.models.tokenizer import Tokenizer
+
+
+class PromptResponse(Protocol):
+    """Anything with a `prompt` and a reference `response`, e.g. `tltjax.rl.tasks.Example`."""
+
+    prompt: str
+    response: str
+
+
+def _prompt_ids(prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of one prompt as a user turn, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    bos = tokenizer.bos_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos, *ids]
+    return ids
+
+
+def encode_prompts(prompts: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """The token prefix of each prompt, identical to the prompt part of an `sft_batches` row."""
+    return [_prompt_ids(p, tokenizer) for p in prompts]
+
+
+class SFTBatches:
+    """Shuffled, right-padded SFT batches; iterate to get them, restartable and deterministic.
+
+    Each batch is a dict of numpy arrays:
+      tokens:    int32 [batch_size, seq_len], rows right-padded with the pad id.
+      loss_mask: float32 [batch_size, seq_len], 1 where `tokens[b, t]` is a response token or the
+                 final <eos> (the targets), 0 on prompt tokens and padding.
+
+    Examples that do not fit in `seq_len` are skipped, never truncated; `num_skipped` counts
+    them. Every epoch is a fresh permutation drawn from `seed`; its last incomplete batch is
+    dropped so that every batch has the same static shape. `epochs=None` repeats forever.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[PromptResponse],
+        tokenizer: Tokenizer,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        epochs: int | None = 1,
+    ):
+        if batch_size < 1 or seq_len < 2:
+            raise ValueError(
+                f"need batch_size >= 1 and seq_len >= 2, got batch_size={batch_size}, "
+                f"seq_len={seq_len}."
+            )
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1, or None to repeat forever; got {epochs}.")
+        eos = tokenizer.eos_id
+        if eos is None:
+            raise ValueError(
+                f"{tokenizer!r} has no eos token, so responses cannot be terminated; set "
+                "`tokenizer.special_tokens['eos_token']`."
+            )
+        # Padding always carries loss_mask 0, so any id would do; prefer the real pad token.
+        pad = tokenizer.pad_id if tokenizer.pad_id is not None else eos
+
+        rows_tokens, rows_mask = [], []
+        for example in examples:
+            prompt = _prompt_ids(example.prompt, tokenizer)
+            target = [*tokenizer.encode(example.response), eos]
+            if len(prompt) + len(target) > seq_len:
+                continue
+            pad_len = seq_len - len(prompt) - len(target)
+            rows_tokens.append(prompt + target + [pad] * pad_len)
+            rows_mask.append([0.0] * len(prompt) + [1.0] * len(target) + [0.0] * pad_len)
+
+        self.num_examples = len(examples)
+        self.num_skipped = self.num_examples - len(rows_tokens)
+        if len(rows_tokens) < batch_size:
+            raise ValueError(
+                f"only {len(rows_tokens)} of {self.num_examples} examples fit in "
+                f"seq_len={seq_len} ({self.num_skipped} too long), fewer than "
+                f"batch_size={batch_size}; raise seq_len or lower batch_size."
+            )
+        self.tokens = np.asarray(rows_tokens, dtype=np.int32).reshape(-1, seq_len)
+        self.loss_mask = np.asarray(rows_mask, dtype=np.float32).reshape(-1, seq_len)
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.epochs = epochs
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.tokens) // self.batch_size
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        rng = np.random.default_rng(self.seed)
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            order = rng.permutation(len(self.tokens))
+            for i in range(self.batches_per_epoch):
+                rows = order[i * self.batch_size : (i + 1) * self.batch_size]
+                yield {"tokens": self.tokens[rows], "loss_mask": self.loss_mask[rows]}
+            epoch += 1
+
+    def __len__(self) -> int:
+        if self.epochs is None:
+            raise TypeError("SFTBatches with epochs=None is infinite and has no length.")
+        return self.batches_per_epoch * self.epochs
+
+
+def sft_batches(
+    examples: Sequence[PromptResponse],
+    tokenizer: Tokenizer,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    epochs: int | None = 1,
+) -> SFTBatches:
+    """SFT batches of `<bos> + chat prompt + response + <eos>` rows; see `SFTBatches`.
+
+    Encodes every example up front, so `num_skipped` (examples longer than `seq_len`) is known
+    before the first batch.
+    """
+    return SFTBatches(examples, tokenizer, batch_size, seq_len, seed, epochs)

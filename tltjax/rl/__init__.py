@@ -1,0 +1,1 @@
+"""Reinforcement learning: tasks and rewards, GRPO losses and the trainer."""

@@ -114,17 +114,28 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping = RULES) -> nnx.Mo
     """Moves every parameter of ``model`` onto ``mesh`` by its logical axes (in place)."""
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh, rules)
-    state = jax.tree.map(lambda v, s: jax.device_put(v, s), state, shardings)
+    # Variables are pytree nodes: stop at them and move their values, keeping metadata.
+    state = jax.tree.map(
+        lambda v, s: v.replace(jax.device_put(v[...], s)),
+        state,
+        shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     nnx.update(model, state)
     return model
 
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Mapping = RULES):
-    """Within this context, `constrain` lays activations out on ``mesh``."""
+    """Within this context, `constrain` lays activations out on ``mesh``.
+
+    The mesh is also set as JAX's context mesh (`jax.set_mesh`), which is part of
+    the `jit` cache key: a function traced outside the context (constraints off)
+    is retraced inside it rather than silently reused, and vice versa.
+    """
     token = _ACTIVE.set((mesh, rules))
     try:
-        with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else contextlib.nullcontext():
+        with jax.set_mesh(mesh):
             yield mesh
     finally:
         _ACTIVE.reset(token)

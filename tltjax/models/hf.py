@@ -55,10 +55,17 @@ class SafetensorsFile:
             if len(raw) != 8:
                 raise CheckpointError(f"{self.path} is not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", raw)
+            size = self.path.stat().st_size
+            if n > size - 8:  # checked before reading: a corrupt length must not allocate n bytes
+                raise CheckpointError(
+                    f"{self.path}: corrupt safetensors header (declares {n} header bytes, file has {size})"
+                )
             try:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries = header
         self.data_start = 8 + n

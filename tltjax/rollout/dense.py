@@ -41,7 +41,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.n
     return ids, lens
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnums=(0,))
 def prefill(graphdef, state, ids, lens, cache):
     """Runs the prompts; returns (logits of each row's last prompt token, cache with prompts committed)."""
     model = nnx.merge(graphdef, state)

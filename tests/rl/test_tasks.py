@@ -8,7 +8,7 @@ import pytest
 
 from tltjax.rl import tasks
 
-STEP = re.compile(r"^(\d+)([+\-*])(\d+)=(\d+)$")
+STEP = re.compile(r"^(\d+)([+\-*])(\d+)=(\d+)")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
@@ -36,16 +36,21 @@ def test_generate_is_deterministic_by_seed():
 
 def test_solution_steps_are_correct(examples):
     """Each response is a chain of true steps that follows the prompt's operations in order,
-    stays within [0, 99], and ends with `#answer` for the last value; all chars in `alphabet`."""
+    each line copies exactly the operations still to do, values stay within [0, 99], and it
+    ends with `#answer` for the last value; all chars in `alphabet`."""
     for ex in examples:
-        start, *ops = ex.prompt.split(" ")
+        start, rest = re.match(r"(\d+)(.*)$", ex.prompt).groups()
+        ops = re.findall(r"[-+*]\d+", rest)
+        assert "".join(ops) == rest
         *lines, final = ex.response.split("\n")
         assert len(ops) == len(lines) == ex.num_steps >= 1
         value = int(start)
-        for op_text, line in zip(ops, lines):
-            a, op, b, c = STEP.match(line).groups()
+        for i, (op_text, line) in enumerate(zip(ops, lines)):
+            m = STEP.match(line)
+            a, op, b, c = m.groups()
             assert (int(a), op + b) == (value, op_text)
             assert int(c) == OPS[op](int(a), int(b)) and 0 <= int(c) <= 99
+            assert line[m.end():] == "".join(ops[i + 1 :])
             value = int(c)
         assert final == f"#{value}" and ex.answer == str(value)
         assert set(ex.prompt + ex.response) <= set(tasks.alphabet)

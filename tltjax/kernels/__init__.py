@@ -1,5 +1,68 @@
 """Attention kernels and the one dispatch point that chooses them by backend."""
 
-from tltjax.kernels.attention import attention
+from __future__ import annotations
 
-__all__ = ["attention"]
+import jax
+from jaxtyping import Array, Bool, Float, Int
+
+from tltjax.kernels import pallas_gpu
+from tltjax.kernels.attention import attention
+from tltjax.kernels.paged import paged_attention_reference, write_block
+
+__all__ = ["attention", "paged_attention", "paged_attention_reference", "write_block", "PAGED_IMPLS"]
+
+
+def _paged_pallas(q, k_pages, v_pages, page_table, lengths, new_mask, *, scale, interpret):
+    if q.shape[1] == 1:
+        # A lone new token sees the committed keys and, per its 1x1 mask, itself: counting
+        # it into the length makes the decode kernel exact for either mask value.
+        lengths_incl_new = lengths + new_mask[:, 0, 0].astype(lengths.dtype)
+        out = pallas_gpu.paged_decode_attention(
+            q[:, 0], k_pages, v_pages, page_table, lengths_incl_new, scale=scale, interpret=interpret
+        )
+        return out[:, None]
+    return pallas_gpu.tree_verify_attention(
+        q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale, interpret=interpret
+    )
+
+
+def _reference(q, k_pages, v_pages, page_table, lengths, new_mask, *, scale):
+    return paged_attention_reference(q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale)
+
+
+def _pallas(*args, scale):
+    return _paged_pallas(*args, scale=scale, interpret=False)
+
+
+def _pallas_interpret(*args, scale):
+    return _paged_pallas(*args, scale=scale, interpret=True)
+
+
+# Implementations of `paged_attention` by name; "auto" picks one by backend.
+PAGED_IMPLS = {"reference": _reference, "pallas": _pallas, "pallas_interpret": _pallas_interpret}
+
+
+def paged_attention(
+    q: Float[Array, "batch new heads dim"],
+    k_pages: Float[Array, "kv_heads pages page dim"],
+    v_pages: Float[Array, "kv_heads pages page dim"],
+    page_table: Int[Array, "batch pages_per_seq"],
+    lengths: Int[Array, " batch"],
+    new_mask: Bool[Array, "batch new new"],
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> Float[Array, "batch new heads dim"]:
+    """Attention of a new block over a paged cache: the one dispatch point.
+
+    Semantics are `paged_attention_reference`'s (the block already written at
+    ``lengths`` by `write_block`). ``impl``: "auto" runs the Pallas kernels on GPU
+    (the decode kernel for one new token, the tree kernel otherwise) and the XLA
+    reference elsewhere; "pallas", "pallas_interpret" (the kernels in interpret
+    mode, for CPU tests) and "reference" force one.
+    """
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl not in PAGED_IMPLS:
+        raise ValueError(f"paged_attention impl={impl!r} is unknown; choose 'auto' or one of {sorted(PAGED_IMPLS)}")
+    return PAGED_IMPLS[impl](q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale)

@@ -125,16 +125,18 @@ def generate_longtail_arith(
     n: int,
     seed: int,
     *,
-    p_stop: float = 0.25,
-    max_steps: int = 40,
+    p_stop: float = 0.3,
+    max_steps: int = 16,
     max_value: int = 99,
     max_operand: int = 9,
 ) -> list[Example]:
     """`n` chains of arithmetic steps with long-tailed lengths; the same seed gives the same list.
 
     Steps per example ~ Geometric(p_stop) truncated to [1, max_steps]; its median is
-    about ceil(ln 2 / -ln(1 - p_stop)) (3 for the default) and
-    its p99 several times that.
+    about ceil(ln 2 / -ln(1 - p_stop)) (2 for the default) and its p99 about 13.
+    Line i of the response evaluates the leftmost remaining operation and copies the rest
+    (``63-7=56+1``), so a response grows quadratically with its steps: for the defaults
+    the median is 21 characters and the p99 about 260.
     Each step applies +, - or * (uniform over those that keep the value in [0, max_value]) with
     an operand in [1, max_operand] ([2, max_operand] for *).
     """
@@ -154,7 +156,7 @@ def generate_longtail_arith(
     examples = []
     for k in steps:
         start = value = int(rng.integers(0, max_value + 1))
-        ops, lines = [], []
+        ops, done = [], []
         for _ in range(k):
             ranges = {op: o.operands(value, max_value, max_operand) for op, o in _OPS.items()}
             valid = [op for op, (lo, hi) in ranges.items() if lo <= hi]
@@ -163,12 +165,15 @@ def generate_longtail_arith(
             b = int(rng.integers(lo, hi + 1))
             result = _OPS[op].apply(value, b)
             ops.append(f"{op}{b}")
-            lines.append(f"{value}{op}{b}={result}")
+            done.append(f"{value}{op}{b}={result}")
             value = result
+        # Line i evaluates the leftmost operation and copies the ones still to do, so every
+        # step reads only the line above it (no counting into the prompt).
+        lines = [line + "".join(ops[i + 1 :]) for i, line in enumerate(done)]
         answer = str(value)
         examples.append(
             Example(
-                prompt=" ".join([str(start), *ops]),
+                prompt=str(start) + "".join(ops),
                 response="\n".join([*lines, ANSWER_MARKER + answer]),
                 answer=answer,
                 num_steps=int(k),

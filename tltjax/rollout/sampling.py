@@ -28,8 +28,8 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -46,7 +46,8 @@ def processed_logprobs(logits: Float[Array, "... vocab"], params: SamplingParams
     Greedy gives a one-hot distribution on the argmax (log-prob 0 there).
     Top-k keeps the k largest logits; top-p keeps the smallest prefix of
     tokens sorted by probability whose mass reaches ``top_p`` (the token that
-    crosses the threshold is kept).
+    crosses the threshold is kept). Both keep every token tied with the last
+    one kept, so equal logits always get equal probability.
     """
     logits = logits.astype(jnp.float32)
     if params.greedy:
@@ -57,13 +58,12 @@ def processed_logprobs(logits: Float[Array, "... vocab"], params: SamplingParams
         kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
         x = jnp.where(x >= kth, x, -jnp.inf)
     if params.top_p < 1.0:
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        sorted_x = -jnp.sort(-x, axis=-1)
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-        keep_sorted = before < params.top_p
-        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        x = jnp.where(keep, x, -jnp.inf)
+        n_keep = jnp.sum(before < params.top_p, axis=-1, keepdims=True)  # >= 1: before[0] == 0
+        cutoff = jnp.take_along_axis(sorted_x, n_keep - 1, axis=-1)
+        x = jnp.where(x >= cutoff, x, -jnp.inf)
     return jax.nn.log_softmax(x, axis=-1)
 
 

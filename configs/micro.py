@@ -20,6 +20,7 @@ def get_config() -> ConfigDict:
 
     config.sft.batch_size = 8
     config.sft.seq_len = 128
+    config.sft.widths = (64, 128)
     config.sft.steps = 30
 
     config.generate.max_new_tokens = 64

@@ -145,17 +145,35 @@ class PackedSFTBatches:
     """Like `SFTBatches`, but several examples share a row, so little compute goes to padding.
 
     Each batch adds, to ``tokens`` and ``loss_mask``:
-      segment_ids: int32 [batch_size, seq_len], 1, 2, ... per example in the row, 0 on padding;
-      positions:   int32 [batch_size, seq_len], restarting at 0 for each example.
+      segment_ids: int32 [rows, width], 1, 2, ... per example in the row, 0 on padding;
+      positions:   int32 [rows, width], restarting at 0 for each example.
     Attention and positions never cross examples when the model is given the mask from
     `segment_mask` and these positions, so a packed row trains exactly like separate rows.
-    Rows are filled greedily in a fresh random order each epoch; examples longer than
-    `seq_len` are skipped and counted in `num_skipped`.
+
+    ``widths`` (default: just ``seq_len``) are row widths; each example goes to the narrowest
+    that holds it and is packed with examples of that width only, so a short example never pays
+    for attention over a long row. A batch holds ``batch_size * seq_len // width`` rows, i.e. the
+    same number of token slots for every width, and only ``len(widths)`` shapes are compiled.
+    Rows are filled greedily in a fresh random order each epoch and batches of all widths are
+    interleaved at random; examples longer than the widest row are skipped and counted in
+    `num_skipped`.
     """
 
-    def __init__(self, examples, tokenizer: Tokenizer, batch_size: int, seq_len: int, seed: int, epochs: int | None = 1):
+    def __init__(
+        self,
+        examples,
+        tokenizer: Tokenizer,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        epochs: int | None = 1,
+        widths: Sequence[int] | None = None,
+    ):
         if batch_size < 1 or seq_len < 2:
             raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size}, {seq_len}.")
+        self.widths = tuple(sorted(widths or (seq_len,)))
+        if self.widths[-1] != seq_len or self.widths[0] < 2:
+            raise ValueError(f"widths {self.widths} must lie in [2, seq_len={seq_len}] and include seq_len.")
         eos = tokenizer.eos_id
         if eos is None:
             raise ValueError(f"{tokenizer!r} has no eos token, so responses cannot be terminated.")
@@ -170,26 +188,28 @@ class PackedSFTBatches:
         self.num_skipped = self.num_examples - len(self.rows)
         if not self.rows:
             raise ValueError(f"none of {self.num_examples} examples fits in seq_len={seq_len}; raise seq_len.")
+        lens = np.array([len(r[0]) for r in self.rows])
+        self.bucket = np.searchsorted(np.asarray(self.widths), lens)  # narrowest width that holds each
         self.batch_size, self.seq_len, self.seed, self.epochs = batch_size, seq_len, seed, epochs
 
-    def _pack_epoch(self, order) -> list[dict[str, np.ndarray]]:
-        b, t = self.batch_size, self.seq_len
+    def _pack(self, order, width: int) -> list[dict[str, np.ndarray]]:
         packed, cur, fill = [], [], 0
         for i in order:
             n = len(self.rows[i][0])
-            if fill + n > t:
+            if fill + n > width:
                 packed.append(cur)
                 cur, fill = [], 0
             cur.append(i)
             fill += n
         if cur:
             packed.append(cur)
+        b = max(1, self.batch_size * self.seq_len // width)
         batches = []
         for start in range(0, len(packed) - b + 1, b):
-            tokens = np.full((b, t), self.pad, np.int32)
-            mask = np.zeros((b, t), np.float32)
-            seg = np.zeros((b, t), np.int32)
-            pos = np.zeros((b, t), np.int32)
+            tokens = np.full((b, width), self.pad, np.int32)
+            mask = np.zeros((b, width), np.float32)
+            seg = np.zeros((b, width), np.int32)
+            pos = np.zeros((b, width), np.int32)
             for r, members in enumerate(packed[start : start + b]):
                 at = 0
                 for s, i in enumerate(members, start=1):
@@ -207,13 +227,17 @@ class PackedSFTBatches:
         rng = np.random.default_rng(self.seed)
         epoch = 0
         while self.epochs is None or epoch < self.epochs:
-            batches = self._pack_epoch(rng.permutation(len(self.rows)))
+            order = rng.permutation(len(self.rows))
+            batches = []
+            for k, width in enumerate(self.widths):
+                batches += self._pack(order[self.bucket[order] == k], width)
             if not batches:
                 raise ValueError(
-                    f"{len(self.rows)} examples fill fewer than batch_size={self.batch_size} rows of "
+                    f"{len(self.rows)} examples fill fewer than one batch of {self.batch_size} rows of "
                     f"seq_len={self.seq_len}; use more examples or a smaller batch."
                 )
-            yield from batches
+            for j in rng.permutation(len(batches)):
+                yield batches[j]
             epoch += 1
 
 

@@ -36,7 +36,9 @@ def get_config() -> ConfigDict:
 
     config.sft = ConfigDict()
     config.sft.batch_size = 32
-    config.sft.seq_len = 256
+    config.sft.seq_len = 416
+    # Row widths for packed batches: each example is packed into the narrowest that holds it.
+    config.sft.widths = (64, 128, 256, 416)
     config.sft.lr = 3e-3
     config.sft.warmup_steps = 50
     config.sft.steps = 1500

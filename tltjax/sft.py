@@ -94,14 +94,6 @@ def sft_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
-def trim_batch(batch: dict[str, np.ndarray], multiple: int = 32) -> dict[str, np.ndarray]:
-    """Drops padding columns past the longest row (rounded up to ``multiple``; few static shapes)."""
-    used = np.nonzero(batch["loss_mask"].any(axis=0))[0]
-    width = int(used[-1]) + 1 if len(used) else multiple
-    width = min(batch["tokens"].shape[1], -(-width // multiple) * multiple)
-    return {k: v[:, :width] for k, v in batch.items()}
-
-
 @dataclasses.dataclass
 class TrainLog:
     step: int
@@ -131,7 +123,7 @@ def train(
             batch = next(it)
         except StopIteration:
             raise ValueError(f"the batch iterator ran out after {i} of {steps} steps; use more data or epochs") from None
-        state, m = sft_step(state, {k: jnp.asarray(v) for k, v in trim_batch(batch).items()})
+        state, m = sft_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
         pending.append(m)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             got = jax.device_get(pending)

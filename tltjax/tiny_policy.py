@@ -30,7 +30,7 @@ from tltjax.rollout.dense import generate
 from tltjax.rollout.sampling import SamplingParams
 from tltjax import sft
 
-FORMAT_VERSION = 1  # bump when training code changes what a config produces
+FORMAT_VERSION = 2  # bump when training code or a task format changes what a config produces
 
 
 def task_tokenizer(task: tasks_lib.Task) -> Tokenizer:
@@ -111,7 +111,9 @@ def train_policy(cfg: ConfigDict, out_dir: pathlib.Path, *, progress: bool = Tru
     tok = task_tokenizer(task)
     mcfg = model_config(cfg, tok)
     examples = task.generate(cfg.task.num_train, seed=cfg.seed)
-    batches = data.PackedSFTBatches(examples, tok, cfg.sft.batch_size, cfg.sft.seq_len, seed=cfg.seed, epochs=None)
+    batches = data.PackedSFTBatches(
+        examples, tok, cfg.sft.batch_size, cfg.sft.seq_len, seed=cfg.seed, epochs=None, widths=cfg.sft.widths
+    )
     if batches.num_skipped:
         log(f"sft: skipped {batches.num_skipped} of {batches.num_examples} examples longer than seq_len={cfg.sft.seq_len}")
     model = CausalLM(mcfg, rngs=nnx.Rngs(cfg.seed))

@@ -83,6 +83,7 @@ def test_greedy_generation_matches_transformers(pair):
     """32 greedy tokens are identical to `transformers` generate, for every prompt of a ragged batch."""
     _, ref, ours = pair
     prompts = [_ids((n,), seed=10 + n).tolist() for n in (5, 9, 13)]
+    ref.generation_config.eos_token_id = None  # generate would otherwise stop at the config's eos
     gens = generate(ours, prompts, max_new_tokens=32, params=SamplingParams(temperature=0.0))
     for p, g in zip(prompts, gens):
         with torch.no_grad():

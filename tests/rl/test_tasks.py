@@ -35,22 +35,22 @@ def test_generate_is_deterministic_by_seed():
 
 
 def test_solution_steps_are_correct(examples):
-    """Each response is a chain of true steps that follows the prompt's operations in order,
-    each line copies exactly the operations still to do, values stay within [0, 99], and it
-    ends with `#answer` for the last value; all chars in `alphabet`."""
+    """Each response is a chain of true steps that follows the prompt's labelled operations in
+    order, each line naming its operation's label, values stay within [0, 99], and it ends with
+    `#answer` for the last value; all chars in `alphabet`."""
     for ex in examples:
-        start, rest = re.match(r"(\d+)(.*)$", ex.prompt).groups()
-        ops = re.findall(r"[-+*]\d+", rest)
-        assert "".join(ops) == rest
+        start, *labelled = ex.prompt.split(" ")
+        labels = [item[0] for item in labelled]
+        ops = [item[1:] for item in labelled]
+        assert "".join(labels) == tasks.LABELS[: len(ops)]
         *lines, final = ex.response.split("\n")
         assert len(ops) == len(lines) == ex.num_steps >= 1
         value = int(start)
-        for i, (op_text, line) in enumerate(zip(ops, lines)):
-            m = STEP.match(line)
-            a, op, b, c = m.groups()
+        for label, op_text, line in zip(labels, ops, lines):
+            assert line.startswith(label + ":")
+            a, op, b, c = STEP.fullmatch(line[2:]).groups()
             assert (int(a), op + b) == (value, op_text)
             assert int(c) == OPS[op](int(a), int(b)) and 0 <= int(c) <= 99
-            assert line[m.end():] == "".join(ops[i + 1 :])
             value = int(c)
         assert final == f"#{value}" and ex.answer == str(value)
         assert set(ex.prompt + ex.response) <= set(tasks.alphabet)

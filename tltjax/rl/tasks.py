@@ -108,7 +108,8 @@ _OPS: dict[str, _Op] = {
     "*": _Op(operator.mul, lambda a, max_value, m: (2, m if a == 0 else min(m, max_value // a))),
 }
 
-alphabet = "0123456789" + "".join(_OPS) + "=" + ANSWER_MARKER + " \n"
+LABELS = "abcdefghijklmnopqrstuvwxyz"  # step labels; max_steps is at most their number
+alphabet = "0123456789" + "".join(_OPS) + "=" + ANSWER_MARKER + ":" + LABELS + " \n"
 
 
 def _num_steps(rng: np.random.Generator, n: int, p_stop: float, max_steps: int) -> np.ndarray:
@@ -125,18 +126,18 @@ def generate_longtail_arith(
     n: int,
     seed: int,
     *,
-    p_stop: float = 0.3,
-    max_steps: int = 16,
+    p_stop: float = 0.25,
+    max_steps: int = 24,
     max_value: int = 99,
     max_operand: int = 9,
 ) -> list[Example]:
     """`n` chains of arithmetic steps with long-tailed lengths; the same seed gives the same list.
 
     Steps per example ~ Geometric(p_stop) truncated to [1, max_steps]; its median is
-    about ceil(ln 2 / -ln(1 - p_stop)) (2 for the default) and its p99 about 13.
-    Line i of the response evaluates the leftmost remaining operation and copies the rest
-    (``63-7=56+1``), so a response grows quadratically with its steps: for the defaults
-    the median is 21 characters and the p99 about 260.
+    about ceil(ln 2 / -ln(1 - p_stop)) (3 for the default) and its p99 about 16.
+    Operations are labelled ``a``, ``b``, ... in the prompt (``68 a-5 b-7 c+1``) and line i of
+    the response names its label and applies that operation to the previous value
+    (``b:63-7=56``), ending with ``#answer``.
     Each step applies +, - or * (uniform over those that keep the value in [0, max_value]) with
     an operand in [1, max_operand] ([2, max_operand] for *).
     """
@@ -144,8 +145,8 @@ def generate_longtail_arith(
         raise ValueError(f"n must be >= 0, got {n}.")
     if not 0.0 < p_stop <= 1.0:
         raise ValueError(f"p_stop must be in (0, 1], got {p_stop}; smaller means longer chains.")
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
+    if not 1 <= max_steps <= len(LABELS):
+        raise ValueError(f"max_steps must be in [1, {len(LABELS)}] (one label per step), got {max_steps}.")
     if not 2 <= max_operand <= max_value:
         raise ValueError(
             f"need 2 <= max_operand <= max_value, got max_operand={max_operand}, "
@@ -167,13 +168,15 @@ def generate_longtail_arith(
             ops.append(f"{op}{b}")
             done.append(f"{value}{op}{b}={result}")
             value = result
-        # Line i evaluates the leftmost operation and copies the ones still to do, so every
-        # step reads only the line above it (no counting into the prompt).
-        lines = [line + "".join(ops[i + 1 :]) for i, line in enumerate(done)]
+        # Operation i carries the label LABELS[i] in the prompt; line i of the response repeats
+        # that label, so a step finds its operation by content (no counting) and its operand
+        # on the line above.
+        labels = LABELS[: len(ops)]
+        lines = [f"{label}:{line}" for label, line in zip(labels, done)]
         answer = str(value)
         examples.append(
             Example(
-                prompt=str(start) + "".join(ops),
+                prompt=str(start) + "".join(f" {label}{op}" for label, op in zip(labels, ops)),
                 response="\n".join([*lines, ANSWER_MARKER + answer]),
                 answer=answer,
                 num_steps=int(k),

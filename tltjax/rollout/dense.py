@@ -50,7 +50,7 @@ def prefill(graphdef, state, ids, lens, cache):
     return last, out.cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
 def decode(graphdef, state, cache, logits, key, steps: int, params: SamplingParams, stop_ids: tuple[int, ...]):
     """Samples ``steps`` tokens per row on device; returns (tokens, logprobs, done-before-step mask)."""
     model = nnx.merge(graphdef, state)
@@ -81,6 +81,11 @@ def generate(
 ) -> list[Generation]:
     """Generates up to ``max_new_tokens`` per prompt; a stop token is kept and ends its row."""
     ids, lens = pad_prompts(prompts, pad_id)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    vocab = model.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got ids in [{ids.min()}, {ids.max()}]")
     graphdef, state = nnx.split(model)
     cache = ContiguousKVCache.init(model.config, len(prompts), ids.shape[1] + max_new_tokens)
     logits, cache = prefill(graphdef, state, jnp.asarray(ids), jnp.asarray(lens), cache)

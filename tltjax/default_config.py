@@ -33,6 +33,8 @@ def get_config() -> ConfigDict:
     config.task.name = "longtail_arith"
     config.task.num_train = 20000
     config.task.num_eval = 256
+    # Keyword arguments of the task's generator (see tltjax/rl/tasks.py).
+    config.task.options = ConfigDict({"max_value": 99})
 
     config.sft = ConfigDict()
     config.sft.batch_size = 32

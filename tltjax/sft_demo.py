@@ -20,7 +20,7 @@ EVAL_SEED_OFFSET = 1_000_003  # held-out problems: a seed stream disjoint from t
 
 def run(config: ConfigDict) -> int:
     task = tasks_lib.get_task(config.task.name)
-    stats = tasks_lib.length_stats(task.generate(5000, seed=config.seed))
+    stats = tasks_lib.length_stats(tiny_policy.task_examples(config, 5000, seed=config.seed))
     print(
         f"task {task.name}: response length (chars) median {stats['median']:.0f}, p90 {stats['p90']:.0f}, "
         f"p99 {stats['p99']:.0f}, max {stats['max']:.0f}, p99/median {stats['ratio_p99_median']:.2f}"
@@ -28,7 +28,7 @@ def run(config: ConfigDict) -> int:
     path = tiny_policy.get_tiny_policy(config)
     info = json.loads((path / "tltjax_sft.json").read_text())
     model, tok = tiny_policy.load_policy(path)
-    evals = task.generate(config.task.num_eval, seed=config.seed + EVAL_SEED_OFFSET)
+    evals = tiny_policy.task_examples(config, config.task.num_eval, seed=config.seed + EVAL_SEED_OFFSET)
     t0 = time.perf_counter()
     acc, texts = tiny_policy.accuracy(model, tok, evals, task, max_new_tokens=config.generate.max_new_tokens)
     eval_s = time.perf_counter() - t0

@@ -33,6 +33,17 @@ from tltjax import sft
 FORMAT_VERSION = 2  # bump when training code or a task format changes what a config produces
 
 
+def task_examples(cfg: ConfigDict, n: int, seed: int) -> list[tasks_lib.Example]:
+    """``n`` problems of the config's task, generated with its ``task.options``."""
+    task = tasks_lib.get_task(cfg.task.name)
+    try:
+        return task.generate(n, seed=seed, **cfg.task.options.to_dict())
+    except TypeError as e:
+        from tltjax.config import ConfigError
+
+        raise ConfigError(f"config.task.options {cfg.task.options.to_dict()} do not fit task {task.name!r}: {e}") from None
+
+
 def task_tokenizer(task: tasks_lib.Task) -> Tokenizer:
     """The character tokenizer for a synthetic task."""
     return char_tokenizer(task.alphabet)
@@ -110,7 +121,7 @@ def train_policy(cfg: ConfigDict, out_dir: pathlib.Path, *, progress: bool = Tru
     task = tasks_lib.get_task(cfg.task.name)
     tok = task_tokenizer(task)
     mcfg = model_config(cfg, tok)
-    examples = task.generate(cfg.task.num_train, seed=cfg.seed)
+    examples = task_examples(cfg, cfg.task.num_train, seed=cfg.seed)
     batches = data.PackedSFTBatches(
         examples, tok, cfg.sft.batch_size, cfg.sft.seq_len, seed=cfg.seed, epochs=None, widths=cfg.sft.widths
     )

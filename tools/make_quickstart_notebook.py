@@ -31,10 +31,11 @@ print("model:", dict(config.model), "\\nsft steps:", config.sft.steps)"""),
 md("""## The task and its long tail
 Each problem is a start value and a chain of operations; the worked solution writes one line per
 step, so response length grows with the number of steps, which is heavy-tailed."""),
-code("""from tltjax.rl import tasks
+code("""from tltjax import tiny_policy
+from tltjax.rl import tasks
 
 task = tasks.get_task(config.task.name)
-examples = task.generate(5000, seed=config.seed)
+examples = tiny_policy.task_examples(config, 5000, seed=config.seed)
 print(tasks.length_stats(examples))
 print("prompt:  ", examples[0].prompt)
 print("response:", examples[0].response.replace("\\n", " | "))"""),
@@ -45,7 +46,7 @@ path = tiny_policy.get_tiny_policy(config)
 model, tokenizer = tiny_policy.load_policy(path)
 print(path, f"{model.config.num_params() / 1e6:.2f}M parameters")"""),
 md("## Generate and score"),
-code("""held_out = task.generate(32, seed=config.seed + 1_000_003)
+code("""held_out = tiny_policy.task_examples(config, 32, seed=config.seed + 1_000_003)
 acc, texts = tiny_policy.accuracy(model, tokenizer, held_out, task, max_new_tokens=config.generate.max_new_tokens)
 print(f"greedy accuracy on {len(held_out)} held-out problems: {acc:.1%}")
 for e, t in list(zip(held_out, texts))[:3]:

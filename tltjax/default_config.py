@@ -20,9 +20,9 @@ def get_config() -> ConfigDict:
     # A tiny Qwen2-style decoder. Field names follow HF config.json.
     config.model = ConfigDict()
     config.model.vocab_size = 0  # 0: take the size from the tokenizer.
-    config.model.hidden_size = 256
-    config.model.intermediate_size = 704
-    config.model.num_hidden_layers = 4
+    config.model.hidden_size = 128
+    config.model.intermediate_size = 384
+    config.model.num_hidden_layers = 2
     config.model.num_attention_heads = 4
     config.model.num_key_value_heads = 2
     config.model.rope_theta = 10000.0
@@ -34,15 +34,15 @@ def get_config() -> ConfigDict:
     config.task.num_train = 20000
     config.task.num_eval = 256
     # Keyword arguments of the task's generator (see tltjax/rl/tasks.py).
-    config.task.options = ConfigDict({"max_value": 99})
+    config.task.options = ConfigDict({"max_value": 29})
 
     config.sft = ConfigDict()
-    config.sft.batch_size = 32
+    config.sft.batch_size = 4  # rows of seq_len token slots; narrower rows come proportionally more
     config.sft.seq_len = 416
     # Row widths for packed batches: each example is packed into the narrowest that holds it.
     config.sft.widths = (64, 128, 256, 416)
     config.sft.lr = 3e-3
-    config.sft.warmup_steps = 50
+    config.sft.warmup_steps = 30
     config.sft.steps = 1500
     config.sft.weight_decay = 0.01
     config.sft.grad_clip = 1.0

@@ -214,3 +214,17 @@ def test_bad_inputs_are_clear_errors(engine, target):
         Strategy.parse("medusa:depth=2")
     with pytest.raises(ValueError, match="keys"):
         Strategy.parse("eagle:depht=2")
+
+
+@pytest.mark.slow
+def test_engine_runs_the_pallas_kernels(target, drafter, reference):
+    """The GPU kernels (interpret mode on CPU) inside the engine's programs give the same greedy tokens."""
+    cfg = EngineConfig(
+        max_batch=1, max_seq_len=32, page_size=8, decode_steps=4, spec_rounds=2, spec_threshold=1,
+        strategies=("eagle:depth=2,top_k=2,num_verify=3",), prefill_batch=1, prefill_lengths=(16,),
+        attention_impl="pallas_interpret",
+    )
+    eng = Engine(target, cfg, drafter)
+    for strategy in (None, "auto"):
+        seqs, _ = eng.generate(PROMPTS[:1], max_new_tokens=12, strategy=strategy)
+        assert seqs[0].tokens == reference[0].tokens[:12]

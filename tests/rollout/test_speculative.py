@@ -168,3 +168,50 @@ def test_greedy_accepts_exactly_the_argmax_chain():
         prev = int(np.argmax(BIGRAM[prev]))
         chain.append(prev)
     assert toks[0, : cnt[0]].tolist() == chain
+
+
+# ----------------------------------------------------------------------------- drafting helpers
+from tltjax.rollout.speculative import Strategy, ngram_draft, select_tree  # noqa: E402
+
+
+def test_select_tree_keeps_the_best_nodes_that_form_a_tree():
+    """Top-`num` by score, closed under parents, compacted with parents re-indexed and first."""
+    # candidates: 0,1 at depth 1; 2 (child of 0), 3 (child of 1), 4 (child of 2)
+    tokens = jnp.array([[10, 11, 12, 13, 14]])
+    parents = jnp.array([[-1, -1, 0, 1, 2]])
+    scores = jnp.array([[-0.1, -2.0, -0.5, -2.5, -0.9]])
+    tree = select_tree(tokens, parents, scores, 3)
+    assert tree.tokens.tolist() == [[10, 12, 14]]
+    assert tree.parents.tolist() == [[-1, 0, 1]]
+    # a child whose parent is not selected is dropped (scores that break monotonicity), leaving padding
+    tree = select_tree(tokens, parents, jnp.array([[-3.0, -0.1, -0.2, -5.0, -0.3]]), 3)
+    assert tree.tokens.tolist()[0][:1] == [11] and tree.parents.tolist() == [[-1, -2, -2]]
+
+
+def test_ngram_draft_proposes_what_followed_the_latest_match():
+    s = Strategy("ngram", depth=3)
+    hist = jnp.array([[5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 0, 0]])  # context ends "... 5 6"
+    sib = jnp.zeros((1, 1, 14), jnp.int32)
+    tree = ngram_draft(hist, jnp.array([12]), sib, jnp.array([[0]]), s)
+    # "5 6" last occurred at positions 5-6 (before the query at 10-11), followed by 7 1 2
+    assert tree.tokens.tolist() == [[7, 1, 2]] and tree.parents.tolist() == [[-1, 0, 1]]
+
+
+def test_ngram_draft_reads_siblings_and_handles_no_match():
+    s = Strategy("ngram", depth=3, ngram_max=2)
+    hist = jnp.array([[1, 2, 3, 0, 0, 0]])
+    sib = jnp.array([[[9, 2, 3, 4, 0, 0]]])  # sibling continues "2 3" with "4", then ends
+    tree = ngram_draft(hist, jnp.array([3]), sib, jnp.array([[4]]), s)
+    assert tree.tokens.tolist()[0][0] == 4 and tree.parents.tolist() == [[-1, -2, -2]]
+    tree = ngram_draft(jnp.array([[1, 2, 3, 0, 0, 0]]), jnp.array([3]), sib * 0 + 7, jnp.array([[4]]), s)
+    assert tree.parents.tolist() == [[-2, -2, -2]]
+
+
+def test_strategy_parse_and_validation():
+    assert Strategy.parse("eagle:depth=4,top_k=2,num_verify=6") == Strategy("eagle", 4, 2, 6)
+    assert Strategy("eagle", 4, 2, 6).num_nodes == 6 and Strategy("eagle", 4, 2).num_nodes == 8
+    assert Strategy("eagle", 4, 1).max_emitted == 5
+    with pytest.raises(ValueError, match="num_verify"):
+        Strategy("eagle", 2, 2, 9)
+    with pytest.raises(ValueError, match="chain"):
+        Strategy("ngram", 3, 2)

@@ -109,17 +109,17 @@ class EngineConfig:
         if any(int(n) < 1 or int(n) > self.max_seq_len for n in self.prefill_lengths):
             raise ValueError(f"prefill_lengths {self.prefill_lengths} must lie in [1, max_seq_len={self.max_seq_len}]")
 
-    @property
+    @functools.cached_property
     def buckets(self) -> tuple[int, ...]:
         if self.batch_buckets:
             return tuple(sorted(set(int(b) for b in self.batch_buckets)))
         return tuple(1 << i for i in range(self.max_batch.bit_length()))
 
-    @property
+    @functools.cached_property
     def spec_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in self.buckets if b <= self.spec_threshold)
 
-    @property
+    @functools.cached_property
     def pend_width(self) -> int:
         """Drafter positions a row can have pending: one chunk of plain steps or one round's emitted tokens."""
         return max([self.decode_steps] + [s.max_emitted for s in self.strategies])
@@ -132,11 +132,11 @@ class EngineConfig:
         tree = strategy.top_k * max(strategy.depth - 1, 0)
         return (self.spec_rounds - 1) * strategy.max_emitted + max(strategy.num_nodes + 1, p, tree) + 1
 
-    @property
+    @functools.cached_property
     def max_margin(self) -> int:
         return max([self.margin(None)] + [self.margin(s) for s in self.strategies])
 
-    @property
+    @functools.cached_property
     def pages_per_seq(self) -> int:
         return -(-(self.max_seq_len + self.max_margin) // self.page_size)
 
@@ -167,6 +167,7 @@ class GeneratedSequence:
     features: np.ndarray | None = None  # [len(prompt) + len(tokens) - 1, F]: feature of each position
     preemptions: int = 0
     budget: int = 0
+    finish_time: float = 0.0  # seconds from the start of the generate call
     _feats: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -387,7 +388,7 @@ class Engine:
         free_slots = list(range(c.max_batch - 1, -1, -1))
         slot_of: dict[int, int] = {}  # seq index → slot (active rows)
         slot_owner: dict[int, int] = {}  # slot → seq index of its latest occupant (for sibling reads)
-        admitted_order: list[int] = []
+        admitted_order: dict[int, None] = {}  # active rows in admission order
         queue = collections.deque(range(len(seqs)))
         calls = 0
 
@@ -400,9 +401,10 @@ class Engine:
         def finish(i: int, reason: str) -> None:
             s = seqs[i]
             s.finish_reason = reason
+            s.finish_time = time.perf_counter() - t_start
             alloc.free(i)
             free_slots.append(slot_of.pop(i))
-            admitted_order.remove(i)
+            del admitted_order[i]
 
         def take(i: int, toks, lps, feats) -> bool:
             """Appends emitted tokens to sequence i; True when it finished."""
@@ -432,7 +434,7 @@ class Engine:
                 queue.popleft()
                 slot = free_slots.pop()
                 slot_of[i], slot_owner[slot] = slot, i
-                admitted_order.append(i)
+                admitted_order[i] = None
                 admitted.append(i)
             if not slot_of and queue:
                 i = queue[0]
@@ -459,7 +461,7 @@ class Engine:
                 if i not in slot_of:
                     continue
                 while not alloc.ensure(i, min(lengths[i] + margin, cap)):
-                    victim = admitted_order[-1]
+                    victim = next(reversed(admitted_order))
                     self._preempt(victim, seqs, slot_of, free_slots, alloc, admitted_order, queue)
                     stats.preemptions += 1
                     if victim == i:
@@ -633,7 +635,7 @@ class Engine:
         """Frees row i's pages and slot; it waits at the front of the queue and resumes by recompute."""
         alloc.free(i)
         free_slots.append(slot_of.pop(i))
-        admitted_order.remove(i)
+        del admitted_order[i]
         seqs[i].preemptions += 1
         queue.appendleft(i)
 

@@ -23,5 +23,11 @@ def get_config() -> ConfigDict:
     config.sft.widths = (64, 128)
     config.sft.steps = 30
 
+    config.drafter.num_prompts = 16
+    config.drafter.samples = 2
+    config.drafter.steps = 30
+    config.drafter.batch_size = 8
+    config.drafter.seq_len = 96
+
     config.generate.max_new_tokens = 64
     return config

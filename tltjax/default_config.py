@@ -48,6 +48,21 @@ def get_config() -> ConfigDict:
     config.sft.grad_clip = 1.0
     config.sft.log_every = 50
 
+    # Offline drafter training (job train_drafter; benchmarks use it too).
+    config.drafter = ConfigDict()
+    config.drafter.num_prompts = 512  # task prompts sampled from the policy
+    config.drafter.samples = 2  # responses per prompt
+    config.drafter.temperature = 1.0
+    config.drafter.steps = 600
+    config.drafter.batch_size = 16
+    config.drafter.seq_len = 256  # tokens per training sequence (prompt + response), and most new tokens
+    config.drafter.lr = 3e-3
+    config.drafter.warmup_steps = 20
+    config.drafter.ce_weight = 0.1
+    config.drafter.eval_fraction = 0.1
+    config.drafter.feature_layers = ()  # empty: the final hidden state (EAGLE-1)
+    config.drafter.intermediate_size = 0  # 0: the target's
+
     config.generate = ConfigDict()
     config.generate.max_new_tokens = 256
     config.generate.temperature = 0.0

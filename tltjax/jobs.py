@@ -60,3 +60,9 @@ def _import(module: str) -> ModuleType:
 def _sft_demo(config: ConfigDict) -> int:
     """Supervised fine-tuning of a tiny model on a toy task, then sample from it."""
     return _import("tltjax.sft_demo").run(config)
+
+
+@register_job("train_drafter")
+def _train_drafter(config: ConfigDict) -> int:
+    """Train (or load from the cache) an EAGLE drafter on the tiny policy's own samples."""
+    return _import("tltjax.drafter.offline").run(config)

@@ -1,4 +1,4 @@
-"""The EAGLE-style drafter trained online: model (this package's core), loss and update step later."""
+"""The EAGLE-style drafter: model, loss and pure update step (`train`), offline training job (`offline`)."""
 
 from tltjax.drafter.model import (
     Drafter,
@@ -9,8 +9,14 @@ from tltjax.drafter.model import (
     pair_inputs,
     save_drafter,
 )
+from tltjax.drafter.train import DrafterBatch, DrafterTrainState, drafter_loss, make_update, train_drafter
 
 __all__ = [
+    "DrafterBatch",
+    "DrafterTrainState",
+    "drafter_loss",
+    "make_update",
+    "train_drafter",
     "Drafter",
     "DrafterConfig",
     "DrafterOutput",

@@ -44,25 +44,24 @@ class Acceptance:
 
 
 def tree_mask(parents: Int[Array, "batch n"]) -> Bool[Array, "batch n1 n1"]:
-    """Attention mask over ``[root, nodes...]``: each position sees itself and its ancestors."""
+    """Attention mask over ``[root, nodes...]``: each position sees itself and its ancestors.
+
+    The ancestor relation is the transitive closure of "is the parent of",
+    computed by repeated squaring (log2 of the tree size steps, no loop on device).
+    """
     b, n = parents.shape
-    par = jnp.concatenate([jnp.full((b, 1), -1, parents.dtype), parents + 1], axis=1)  # root at 0
-    par = jnp.where(jnp.arange(n + 1)[None] == 0, -1, par)
+    par = jnp.concatenate([jnp.full((b, 1), -1, parents.dtype), jnp.where(parents >= -1, parents + 1, -1)], axis=1)
     eye = jnp.broadcast_to(jnp.eye(n + 1, dtype=bool), (b, n + 1, n + 1))
-
-    def step(mask, _):
-        # ancestors(i) ∪= ancestors(parent(i))
-        parent_rows = jnp.take_along_axis(mask, jnp.clip(par, 0)[:, :, None], axis=1)
-        parent_rows = jnp.where((par >= 0)[:, :, None], parent_rows, False)
-        return mask | parent_rows, None
-
-    mask, _ = jax.lax.scan(step, eye, None, length=n)
+    mask = eye | (par[:, :, None] == jnp.arange(n + 1)[None, None, :])  # self or parent (root's par is -1)
+    for _ in range(max(n, 1).bit_length()):  # paths of length up to 2^k after k squarings
+        m = mask.astype(jnp.float32)
+        mask = mask | (jnp.einsum("bij,bjk->bik", m, m) > 0)
     return mask
 
 
-def node_depths(parents: Int[Array, "batch n"]) -> Int[Array, "batch n"]:
-    """Depth of each node (children of the root have depth 1)."""
-    mask = tree_mask(parents)
+def node_depths(parents: Int[Array, "batch n"], mask: Bool[Array, "batch n1 n1"] | None = None) -> Int[Array, "batch n"]:
+    """Depth of each node (children of the root have depth 1); ``mask`` = `tree_mask` if already computed."""
+    mask = tree_mask(parents) if mask is None else mask
     return mask[:, 1:, :].sum(-1).astype(jnp.int32) - 1
 
 
@@ -86,16 +85,10 @@ def accept(
     parent_pos = parents + 1  # position of the parent in [root, nodes...]
     valid = parents >= -1
     ok = valid & (tokens == jnp.take_along_axis(samples, jnp.clip(parent_pos, 0), axis=1))
-
-    def step(acc, _):
-        parent_acc = jnp.take_along_axis(acc, jnp.clip(parent_pos, 0), axis=1)  # acc over [root, nodes]
-        node_acc = ok & parent_acc
-        return jnp.concatenate([jnp.ones((b, 1), bool), node_acc], axis=1), None
-
-    acc0 = jnp.concatenate([jnp.ones((b, 1), bool), jnp.zeros((b, n), bool)], axis=1)
-    acc, _ = jax.lax.scan(step, acc0, None, length=max(n, 1))
-    accepted = acc[:, 1:]  # [B, N]
-    depth = node_depths(parents)
+    mask = tree_mask(parents)
+    # a node is accepted when it and every ancestor below the root matched its parent's draw
+    accepted = ~(mask[:, 1:, 1:] & ~ok[:, None, :]).any(-1)  # [B, N]
+    depth = node_depths(parents, mask)
     n_acc = accepted.sum(-1).astype(jnp.int32)  # accepted nodes form one root path
     # order the accepted nodes by depth: slot d-1 holds the accepted node at depth d
     slot = jnp.where(accepted, depth - 1, n)  # unaccepted → dropped
@@ -378,11 +371,12 @@ def verify(
     from tltjax.rollout.sampling import processed_logprobs
 
     ids = jnp.concatenate([root[:, None], tree.tokens], axis=1)
-    depth = jnp.concatenate([jnp.zeros_like(root)[:, None], node_depths(tree.parents)], axis=1)
+    mask = tree_mask(tree.parents)
+    depth = jnp.concatenate([jnp.zeros_like(root)[:, None], node_depths(tree.parents, mask)], axis=1)
     out = target(
         ids,
         positions=cache.lengths[:, None] + depth,
-        mask=tree_mask(tree.parents),
+        mask=mask,
         cache=cache,
         advance=0,
         hidden_layers=feature_layers,

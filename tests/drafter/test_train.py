@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.random_init import fill
 from tltjax.drafter import Drafter, DrafterConfig, load_drafter
 from tltjax.drafter.train import (
     drafter_loss,
@@ -35,17 +36,9 @@ CONFIG = ModelConfig(
 SEQ = 40
 
 
-def _fill(module, seed, scale):
-    rng = np.random.RandomState(seed)
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        noise = rng.normal(size=var.shape).astype(np.float32)
-        var.set_value(jnp.asarray(1.0 + 0.1 * noise if "norm" in ".".join(map(str, path)) else scale * noise))
-    return module
-
-
 @pytest.fixture(scope="module")
 def target():
-    return _fill(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0))), 0, 0.3)
+    return fill(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0))), 0, 0.3)
 
 
 @pytest.fixture(scope="module")

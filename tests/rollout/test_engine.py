@@ -8,11 +8,14 @@ checked against a teacher-forced forward of the same tokens, and the
 distribution is tested in `test_lossless.py`.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from tests.random_init import fill
 from tltjax.drafter import Drafter, DrafterConfig
 from tltjax.models import CausalLM, ModelConfig, forward
 from tltjax.rollout.dense import generate
@@ -29,15 +32,6 @@ NEW = 40
 GREEDY = SamplingParams(0.0)
 SAMPLED = SamplingParams(1.0, top_p=0.95)
 STRATEGIES = ("eagle:depth=3", "eagle:depth=3,top_k=2,num_verify=4", "ngram:depth=3")
-
-
-def fill(module, seed: int, scale: float):
-    """Draws every parameter from numpy (norm weights near 1): decisive, reproducible logits."""
-    rng = np.random.RandomState(seed)
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        noise = rng.normal(size=var.shape).astype(np.float32)
-        var.set_value(jnp.asarray(1.0 + 0.1 * noise if "norm" in ".".join(map(str, path)) else scale * noise))
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +130,7 @@ def test_preemption_under_a_tight_memory_budget(target, drafter, reference):
     )
     probe = Engine(target, cfg, drafter)
     pages = 2 * cfg.pages_per_seq + 2
-    cfg = EngineConfig(**{**cfg.__dict__, "memory_budget_mb": pages * probe.page_bytes / 2**20})
+    cfg = dataclasses.replace(cfg, memory_budget_mb=pages * probe.page_bytes / 2**20)
     eng = Engine(target, cfg, drafter)
     assert eng.num_pages == pages
     seqs, stats = eng.generate(PROMPTS, max_new_tokens=NEW)
@@ -232,3 +226,15 @@ def test_engine_runs_the_pallas_kernels():
     for strategy in (None, "auto"):
         seqs, _ = eng.generate(PROMPTS[:1], max_new_tokens=12, strategy=strategy)
         assert seqs[0].tokens == ref
+
+
+def test_multi_layer_feature_drafter_is_lossless(target, reference):
+    """An EAGLE-3-style drafter reading layers 1 and 2 drafts through the same engine; greedy output unchanged."""
+    cfg = DrafterConfig.for_target(CONFIG, feature_layers=(1, 2))
+    dft = fill(nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0))), 2, 0.1)
+    eng = Engine(target, EngineConfig(max_batch=1, max_seq_len=64, page_size=8, decode_steps=4, spec_rounds=3,
+                                      spec_threshold=1, strategies=("eagle:depth=3,top_k=2,num_verify=4",),
+                                      prefill_batch=1, prefill_lengths=(16,)), dft)
+    assert eng.feature_layers == (1, 2)
+    seqs, stats = eng.generate(PROMPTS[:1], max_new_tokens=NEW)
+    assert seqs[0].tokens == reference[0].tokens and stats.spec_calls > 0

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from tests.random_init import fill
 from tltjax.drafter import Drafter, DrafterConfig
 from tltjax.models import CausalLM, ModelConfig, forward
 from tltjax.rollout import speculative
@@ -36,18 +37,10 @@ CONFIG = ModelConfig(
 CHAIN, TREE = "eagle:depth=3", "eagle:depth=3,top_k=2,num_verify=5"
 
 
-def _fill(module, seed, scale):
-    rng = np.random.RandomState(seed)
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        noise = rng.normal(size=var.shape).astype(np.float32)
-        var.set_value(jnp.asarray(1.0 + 0.1 * noise if "norm" in ".".join(map(str, path)) else scale * noise))
-    return module
-
-
 @pytest.fixture(scope="module")
 def models():
-    target = _fill(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0))), 0, 0.5)
-    drafter = _fill(nnx.eval_shape(lambda: Drafter(DrafterConfig.for_target(CONFIG), rngs=nnx.Rngs(0))), 1, 0.3)
+    target = fill(nnx.eval_shape(lambda: CausalLM(CONFIG, rngs=nnx.Rngs(0))), 0, 0.5)
+    drafter = fill(nnx.eval_shape(lambda: Drafter(DrafterConfig.for_target(CONFIG), rngs=nnx.Rngs(0))), 1, 0.3)
     return target, drafter
 
 

@@ -26,16 +26,21 @@ def _paged_pallas(q, k_pages, v_pages, page_table, lengths, new_mask, *, scale, 
     )
 
 
-def _reference(q, k_pages, v_pages, page_table, lengths, new_mask, *, scale):
-    return paged_attention_reference(q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale)
+def _reference(q, k_pages, v_pages, page_table, lengths, new_mask, *, scale, layer):
+    return paged_attention_reference(q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale, layer=layer)
 
 
-def _pallas(*args, scale):
-    return _paged_pallas(*args, scale=scale, interpret=False)
+def _layer(pages, layer):
+    # The Triton kernels read one layer's pool; slicing it out of the [layers, ...] pool is a copy.
+    return pages if layer is None else pages[layer]
 
 
-def _pallas_interpret(*args, scale):
-    return _paged_pallas(*args, scale=scale, interpret=True)
+def _pallas(q, k_pages, v_pages, *args, scale, layer):
+    return _paged_pallas(q, _layer(k_pages, layer), _layer(v_pages, layer), *args, scale=scale, interpret=False)
+
+
+def _pallas_interpret(q, k_pages, v_pages, *args, scale, layer):
+    return _paged_pallas(q, _layer(k_pages, layer), _layer(v_pages, layer), *args, scale=scale, interpret=True)
 
 
 # Implementations of `paged_attention` by name; "auto" picks one by backend.
@@ -52,6 +57,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    layer: int | None = None,
 ) -> Float[Array, "batch new heads dim"]:
     """Attention of a new block over a paged cache: the one dispatch point.
 
@@ -59,10 +65,11 @@ def paged_attention(
     ``lengths`` by `write_block`). ``impl``: "auto" runs the Pallas kernels on GPU
     (the decode kernel for one new token, the tree kernel otherwise) and the XLA
     reference elsewhere; "pallas", "pallas_interpret" (the kernels in interpret
-    mode, for CPU tests) and "reference" force one.
+    mode, for CPU tests) and "reference" force one. With ``layer``, ``k_pages`` and
+    ``v_pages`` are the whole ``[layers, kv_heads, pages, page, dim]`` pool.
     """
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl not in PAGED_IMPLS:
         raise ValueError(f"paged_attention impl={impl!r} is unknown; choose 'auto' or one of {sorted(PAGED_IMPLS)}")
-    return PAGED_IMPLS[impl](q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale)
+    return PAGED_IMPLS[impl](q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale, layer=layer)

@@ -110,12 +110,13 @@ class PagedKVCache:
         Same semantics as `ContiguousKVCache.attend`; the committed length is not
         changed here. The caller guarantees ``lengths + new <= capacity``.
         """
-        k_l, v_l = write_block(
-            self.k_pages[layer], self.v_pages[layer], self.page_table, self.lengths, k_new, v_new
+        # written and read in the whole pool: slicing a layer out and back would copy the cache every step
+        k_pages, v_pages = write_block(
+            self.k_pages, self.v_pages, self.page_table, self.lengths, k_new, v_new, layer=layer
         )
-        out = paged_attention(q, k_l, v_l, self.page_table, self.lengths, new_mask, impl=self.impl)
-        cache = self.replace(k_pages=self.k_pages.at[layer].set(k_l), v_pages=self.v_pages.at[layer].set(v_l))
-        return out, cache
+        out = paged_attention(q, k_pages, v_pages, self.page_table, self.lengths, new_mask, impl=self.impl,
+                              layer=layer)
+        return out, self.replace(k_pages=k_pages, v_pages=v_pages)
 
     def advance(self, n: Int[Array, " batch"] | int) -> "PagedKVCache":
         """Commits the first ``n`` tokens of the block just written (per row)."""

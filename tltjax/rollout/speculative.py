@@ -243,8 +243,9 @@ def eagle_draft(
     accepted tokens without a re-prefill. The last pending position's output
     predicts the first drafted level. Each further level runs the drafter over
     the tree so far under the tree mask (nothing of it is committed), feeding
-    each node its parent's predicted hidden state as feature (EAGLE-1), and
-    keeps the ``top_k`` children of best cumulative log-probability (EAGLE-2).
+    each node its parent's predicted hidden state as feature (EAGLE-1; with
+    several feature layers it fills every layer's slot), and keeps the
+    ``top_k`` children of best cumulative log-probability (EAGLE-2).
     """
     b, p = pend_tokens.shape
     k, depth = strategy.top_k, strategy.depth
@@ -255,7 +256,12 @@ def eagle_draft(
     lp_root = jax.nn.log_softmax(jnp.take_along_axis(out.logits, last, axis=1)[:, 0], axis=-1)
     score, tok = jax.lax.top_k(lp_root, k)  # [B, k]
     toks, pars, scores = [tok.astype(jnp.int32)], [jnp.full((b, k), -1, jnp.int32)], [score]
-    feats = [jnp.broadcast_to(h_root[:, None], (b, k, h_root.shape[-1]))]
+    reps = pend_features.shape[-1] // h_root.shape[-1]  # >1 with several feature layers (EAGLE-3 style)
+
+    def as_feature(h):  # a drafted node's feature: its parent's predicted final hidden state, per layer slot
+        return h if reps == 1 else jnp.concatenate([h] * reps, axis=-1)
+
+    feats = [as_feature(jnp.broadcast_to(h_root[:, None], (b, k, h_root.shape[-1])))]
     base = cache.lengths  # drafter position of depth-1 nodes
     for d in range(2, depth + 1):
         all_tok = jnp.concatenate(toks, axis=1)
@@ -272,6 +278,7 @@ def eagle_draft(
             cache=cache,
             advance=0,
         )
+        cache = o.cache  # same committed length; keeping the written pages avoids copying the pool
         front = slice(n - k, n)  # the previous level's nodes
         lp = jax.nn.log_softmax(o.logits[:, front], axis=-1)  # [B, k, V]
         cand_score, cand_tok = jax.lax.top_k(lp, k)  # [B, k, k]
@@ -281,7 +288,7 @@ def eagle_draft(
         toks.append(jnp.take_along_axis(cand_tok.reshape(b, k * k), flat, axis=1).astype(jnp.int32))
         pars.append((n - k + parent_local).astype(jnp.int32))
         scores.append(best)
-        feats.append(jnp.take_along_axis(o.hidden[:, front], parent_local[:, :, None], axis=1))
+        feats.append(as_feature(jnp.take_along_axis(o.hidden[:, front], parent_local[:, :, None], axis=1)))
     tree = select_tree(
         jnp.concatenate(toks, 1), jnp.concatenate(pars, 1), jnp.concatenate(scores, 1), strategy.num_nodes
     )

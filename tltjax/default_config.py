@@ -48,19 +48,19 @@ def get_config() -> ConfigDict:
     config.sft.grad_clip = 1.0
     config.sft.log_every = 50
 
-    # Offline drafter training (job train_drafter; benchmarks use it too).
+    # Offline drafter training (job train_drafter; benchmarks use it too). Not part of the
+    # tiny policy's cache key: changing these never retrains the policy.
     config.drafter = ConfigDict()
-    config.drafter.num_prompts = 512  # task prompts sampled from the policy
-    config.drafter.samples = 2  # responses per prompt
-    config.drafter.temperature = 1.0
+    config.drafter.num_sequences = 1024  # task prompts, one sampled response each, to train on
+    config.drafter.num_eval_sequences = 64  # other prompts' responses: held-out top-1 agreement
+    config.drafter.temperature = 1.0  # sampling the responses; 0 is greedy
     config.drafter.steps = 600
     config.drafter.batch_size = 16
-    config.drafter.seq_len = 256  # tokens per training sequence (prompt + response), and most new tokens
+    config.drafter.seq_len = 256  # tokens per sequence (prompt + response); longer ones are cut
     config.drafter.lr = 3e-3
     config.drafter.warmup_steps = 20
-    config.drafter.ce_weight = 0.1
-    config.drafter.eval_fraction = 0.1
-    config.drafter.feature_layers = ()  # empty: the final hidden state (EAGLE-1)
+    config.drafter.ce_weight = 0.1  # weight of the cross-entropy against the policy's distribution
+    config.drafter.feature_layers = ()  # target hidden layers read; empty: the final one (EAGLE-1)
     config.drafter.intermediate_size = 0  # 0: the target's
 
     config.generate = ConfigDict()

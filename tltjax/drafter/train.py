@@ -1,23 +1,31 @@
-"""Training the EAGLE drafter: loss, a pure jitted update step, and a simple offline loop.
+"""Training the EAGLE drafter: the loss, a pure jitted update step, and a simple offline loop.
 
-Batch layout (`DrafterBatch`): sequences ``ids [B, T]`` with the target's
-features ``features[:, t] = f_t`` and final normed hidden states
-``hidden[:, t] = h_t`` at every position; ``mask[:, t]`` marks positions whose
-next token exists (``t + 1 < length``). The drafter pairs ``f_t`` with
-``x_{t+1}`` and is trained at every valid ``t`` to predict ``h_{t+1}``
-(regression) and the target's distribution of ``x_{t+2}`` (cross-entropy
-against ``softmax(head(h_{t+1}))``: soft labels from the policy itself, so the
-drafter learns to agree with the policy, which is what acceptance rewards).
+What the drafter learns. At every valid drafter position ``t`` (see
+`tltjax.drafter.model` for the alignment) it is trained on two targets taken
+from the target model run on the same sequence:
 
-The update takes the target's parameters as an input, not a constant: the
-drafter reads the target's live embedding and LM head, and an online trainer
-calls the same compiled step with each new policy. The target gets no gradient.
+- regression: its hidden output onto the target's final normed hidden state
+  ``h_{t+1}`` (smooth L1, averaged over the hidden axis), as EAGLE;
+- distillation: cross-entropy of its logits against the target's distribution
+  of ``x_{t+2}``, ``softmax(z_{t+1})`` with ``z`` the target's logits. Soft
+  labels from the policy itself, not the sampled token: the drafter learns to
+  agree with the policy, which is what speculative acceptance rewards.
+
+Batches (`DrafterBatch`) hold whole target sequences with what the target
+computed at each position; `DrafterBatch.aligned` pairs them for the drafter.
+Losses are sums over valid positions with their count, so micro-batches add up
+exactly.
+
+Live target. `drafter_update` takes the target's parameters as an argument, not
+as a captured constant: the drafter reads the target's embedding and LM head,
+so an online trainer calls the one compiled step with the current policy's
+parameters after every RL update. Only the drafter's parameters get gradients.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,183 +34,316 @@ import optax
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
-from tltjax.drafter.model import Drafter
+from tltjax import sft
+from tltjax.drafter.model import Drafter, DrafterConfig, pair_inputs
+from tltjax.models.transformer import CausalLM
+
+METRICS = ("reg", "ce", "top1")  # per-position metric sums that `drafter_loss` returns
 
 
 @struct.dataclass
 class DrafterBatch:
-    """Sequences and the target's per-position features / final hidden states (see module docstring)."""
+    """Target sequences and the target's outputs at every position ``t``.
+
+    ``mask[:, t]``: token ``t`` is real (not padding). ``features[:, t]`` is the
+    feature ``f_t`` (hidden layers `DrafterConfig.feature_layers`, concatenated),
+    ``hidden[:, t]`` the final normed hidden state ``h_t`` and ``logits[:, t]``
+    the target's logits ``z_t`` (its distribution of token ``t + 1``).
+    """
 
     ids: Int[Array, "batch seq"]
+    mask: Bool[Array, "batch seq"]
     features: Float[Array, "batch seq feature"]
     hidden: Float[Array, "batch seq hidden"]
-    mask: Bool[Array, "batch seq"]
+    logits: Float[Array, "batch seq vocab"]
+
+    def aligned(
+        self,
+    ) -> tuple[
+        Int[Array, "batch seq1"],
+        Float[Array, "batch seq1 feature"],
+        Float[Array, "batch seq1 hidden"],
+        Float[Array, "batch seq1 vocab"],
+        Bool[Array, "batch seq1"],
+    ]:
+        """`drafter_loss`'s inputs: (``x_{t+1}``, ``f_t``, ``h_{t+1}``, ``z_{t+1}``, valid) for t = 0..seq-2.
+
+        Position ``t`` is valid when tokens ``t`` and ``t + 1`` are both real.
+        """
+        tokens, features = pair_inputs(self.ids, self.features)
+        valid = self.mask[:, 1:] & self.mask[:, :-1]
+        return tokens, features, self.hidden[:, 1:], self.logits[:, 1:], valid
+
+
+def drafter_loss(
+    drafter: Drafter,
+    target: CausalLM,
+    tokens: Int[Array, "batch seq"],
+    features: Float[Array, "batch seq feature"],
+    target_hidden: Float[Array, "batch seq hidden"],
+    target_logits: Float[Array, "batch seq vocab"],
+    mask: Bool[Array, "batch seq"],
+    *,
+    ce_weight: float = 0.1,
+) -> tuple[Float[Array, ""], Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """(loss sum, valid-position count, metric sums) of the drafter on aligned inputs.
+
+    Inputs at drafter position ``t``, as `DrafterBatch.aligned` returns them:
+    token ``x_{t+1}``, feature ``f_t``, the target's ``h_{t+1}`` and logits
+    ``z_{t+1}``, and whether ``t`` counts. Loss per position: smooth L1 of the
+    drafter's hidden output against ``h_{t+1}`` (mean over the hidden axis) plus
+    ``ce_weight`` × cross-entropy of its logits against ``softmax(z_{t+1})``.
+    Metric sums: ``reg`` and ``ce`` (those two terms) and ``top1`` (positions where
+    the drafter's argmax equals the target's: the acceptance proxy). Everything
+    is summed over valid positions, so sums over micro-batches equal the sum
+    over their union; divide by the count for means. The target's outputs get
+    no gradient.
+    """
+    out = drafter(target, tokens, features)
+    m = mask.astype(jnp.float32)
+    hidden = out.hidden.astype(jnp.float32)
+    target_hidden = jax.lax.stop_gradient(target_hidden).astype(jnp.float32)
+    target_logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
+    reg = optax.losses.huber_loss(hidden, target_hidden, delta=1.0).mean(-1)  # smooth L1 (beta 1)
+    ce = optax.losses.softmax_cross_entropy(out.logits, jax.nn.softmax(target_logits, axis=-1))
+    top1 = (jnp.argmax(out.logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+    loss = jnp.sum(m * (reg + ce_weight * ce))
+    return loss, jnp.sum(m), {"reg": jnp.sum(m * reg), "ce": jnp.sum(m * ce), "top1": jnp.sum(m * top1)}
 
 
 @struct.dataclass
 class DrafterTrainState:
-    """Drafter parameters, optimizer state and step count: a pytree the update donates and returns."""
+    """Everything `drafter_update` reads and writes.
 
+    ``params`` and ``opt_state`` are the drafter's; the graph definitions of the
+    drafter and of its target, the optimiser ``tx`` and ``ce_weight`` are static.
+    The target's parameters are not part of the state: each update takes them.
+    """
+
+    graphdef: Any = struct.field(pytree_node=False)
+    target_graphdef: Any = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    ce_weight: float = struct.field(pytree_node=False)
     params: nnx.State
     opt_state: optax.OptState
     step: Int[Array, ""]
 
+    @classmethod
+    def create(
+        cls, drafter: Drafter, target: CausalLM, tx: optax.GradientTransformation, *, ce_weight: float = 0.1
+    ) -> "DrafterTrainState":
+        """A fresh state for training ``drafter`` against ``target``.
 
-def drafter_loss(drafter: Drafter, target, batch: DrafterBatch, *, ce_weight: float = 0.1):
-    """(loss sum, count, metric sums) over the valid positions of ``batch``.
+        The parameters are copied: `drafter_update` donates the state, and
+        ``drafter`` stays usable.
+        """
+        drafter.config.check_target(target.config)
+        if not ce_weight >= 0:
+            raise ValueError(f"ce_weight must be >= 0, got {ce_weight}")
+        graphdef, params = nnx.split(drafter, nnx.Param)
+        params = jax.tree.map(jnp.copy, params)
+        return cls(
+            graphdef=graphdef,
+            target_graphdef=nnx.graphdef(target),
+            tx=tx,
+            ce_weight=float(ce_weight),
+            params=params,
+            opt_state=tx.init(params),
+            step=jnp.zeros((), jnp.int32),
+        )
 
-    Loss per position: smooth-L1 between the drafter's hidden output and
-    ``h_{t+1}`` (mean over features) + ``ce_weight`` × cross-entropy of the
-    drafter's logits against the target's distribution at ``t + 1``. Sums, so
-    micro-batches add up exactly; divide by the count for the mean.
+    def drafter(self) -> Drafter:
+        """A `Drafter` holding this state's parameters."""
+        return nnx.merge(self.graphdef, self.params)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def drafter_update(
+    state: DrafterTrainState, target_params: nnx.State, batch: DrafterBatch
+) -> tuple[DrafterTrainState, dict[str, Float[Array, ""]]]:
+    """One optimiser step of the drafter on the mean loss over ``batch``'s valid positions.
+
+    ``target_params`` is ``nnx.state(target)`` of the current policy: an input of
+    the compiled step, so a new policy reuses it (one compilation per batch
+    shape), and never differentiated, so the target is not updated. ``state`` is
+    donated. Metrics are means over valid positions, plus ``positions`` and
+    ``grad_norm``.
     """
-    out = drafter(target, batch.ids[:, 1:], batch.features[:, :-1])
-    tgt_h = jax.lax.stop_gradient(batch.hidden[:, 1:]).astype(jnp.float32)
-    m = batch.mask[:, :-1].astype(jnp.float32)
-    diff = out.hidden.astype(jnp.float32) - tgt_h
-    ad = jnp.abs(diff)
-    reg = jnp.where(ad < 1.0, 0.5 * diff * diff, ad - 0.5).mean(-1)
-    tgt_logits = jax.lax.stop_gradient(target.logits_from_hidden(tgt_h.astype(target.config.jnp_dtype)))
-    p_tgt = jax.nn.softmax(tgt_logits, axis=-1)
-    logq = jax.nn.log_softmax(out.logits, axis=-1)
-    ce = -(p_tgt * logq).sum(-1)
-    agree = (jnp.argmax(out.logits, -1) == jnp.argmax(tgt_logits, -1)).astype(jnp.float32)
-    loss = (m * (reg + ce_weight * ce)).sum()
-    metrics = dict(reg=(m * reg).sum(), ce=(m * ce).sum(), top1=(m * agree).sum())
-    return loss, m.sum(), metrics
-
-
-def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float = 0.0, clip: float = 1.0):
-    """AdamW with linear warm-up and cosine decay, after global-norm clipping."""
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay))
-
-
-def init_state(drafter: Drafter, optimizer) -> DrafterTrainState:
-    params = nnx.state(drafter)
-    return DrafterTrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
-
-
-def _update(drafter_graph, target_graph, optimizer, ce_weight, state: DrafterTrainState, target_params, batch):
-    target = nnx.merge(target_graph, target_params)
+    target = nnx.merge(state.target_graphdef, jax.lax.stop_gradient(target_params))
+    inputs = batch.aligned()
 
     def loss_fn(params):
-        drafter = nnx.merge(drafter_graph, params)
-        loss, count, metrics = drafter_loss(drafter, target, batch, ce_weight=ce_weight)
-        return loss / jnp.maximum(count, 1.0), (count, metrics)
+        total, count, sums = drafter_loss(nnx.merge(state.graphdef, params), target, *inputs, ce_weight=state.ce_weight)
+        return total / jnp.maximum(count, 1.0), (count, sums)
 
-    (loss, (count, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    (loss, (count, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     n = jnp.maximum(count, 1.0)
-    out = dict(loss=loss, count=count, grad_norm=optax.tree.norm(grads), **{k: v / n for k, v in metrics.items()})
-    return DrafterTrainState(params=params, opt_state=opt_state, step=state.step + 1), out
-
-
-def make_update(drafter: Drafter, target, optimizer, *, ce_weight: float = 0.1):
-    """The pure jitted ``drafter_update(state, target_params, batch) -> (state, metrics)`` for these modules.
-
-    Compiled once per batch shape; ``state`` is donated. ``target_params`` is
-    ``nnx.state(target)`` of the current policy.
-    """
-    dgraph = nnx.graphdef(drafter)
-    tgraph = nnx.graphdef(target)
-    fn = functools.partial(_update, dgraph, tgraph, optimizer, ce_weight)
-    return jax.jit(fn, donate_argnums=(0,))
-
-
-def merge_params(drafter: Drafter, state: DrafterTrainState) -> None:
-    """Writes the trained parameters back into ``drafter`` (in place)."""
-    nnx.update(drafter, state.params)
+    metrics = {"loss": loss, "positions": count, "grad_norm": optax.tree.norm(grads)}
+    metrics.update({k: v / n for k, v in sums.items()})
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
 @functools.partial(nnx.jit, static_argnames=("feature_layers",))
-def target_features(target, ids: Int[Array, "batch seq"], feature_layers: tuple[int, ...]):
-    """(features ``[B, T, F]``, final normed hidden ``[B, T, H]``) of the target on ``ids``."""
+def _target_features(target: CausalLM, ids, feature_layers: tuple[int, ...]):
     n = target.config.num_hidden_layers
     layers = tuple(sorted(set(feature_layers) | {n}))
-    out = target(ids, hidden_layers=layers, return_logits=False)
+    out = target(ids, hidden_layers=layers)
     by_layer = dict(zip(layers, out.hidden_states))
-    return jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1), by_layer[n]
+    return jnp.concatenate([by_layer[i] for i in feature_layers], axis=-1), by_layer[n], out.logits
 
 
-def make_batch(target, sequences: Sequence[Sequence[int]], seq_len: int, feature_layers, pad_id: int = 0):
-    """A `DrafterBatch` of ``sequences`` (cut to ``seq_len``, right-padded) with the target's features."""
+def target_features(
+    target: CausalLM, ids: Int[Array, "batch seq"], feature_layers: Sequence[int]
+) -> tuple[Float[Array, "batch seq feature"], Float[Array, "batch seq hidden"], Float[Array, "batch seq vocab"]]:
+    """(features, final normed hidden states, logits) of one jitted target forward on ``ids``.
+
+    ``features`` concatenates the hidden layers ``feature_layers`` (indexed as
+    `CausalLM` does) in that order. Right padding does not change the outputs at
+    real positions (causal attention).
+    """
+    layers = tuple(int(i) for i in feature_layers)
+    n = target.config.num_hidden_layers
+    if not layers or any(not 0 <= i <= n for i in layers):
+        raise ValueError(f"feature_layers {layers} must be non-empty and lie in [0, {n}] for this target")
+    return _target_features(target, jnp.asarray(ids, jnp.int32), layers)
+
+
+def make_batch(
+    target: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    seq_len: int,
+    feature_layers: Sequence[int],
+    *,
+    pad_id: int = 0,
+) -> DrafterBatch:
+    """A `DrafterBatch` of ``sequences``, each cut to its first ``seq_len`` tokens and right-padded.
+
+    One row per sequence (an empty sequence gives an all-padding row, which
+    counts for nothing); the target's outputs come from `target_features`.
+    """
     ids = np.full((len(sequences), seq_len), pad_id, np.int32)
     mask = np.zeros((len(sequences), seq_len), bool)
     for i, s in enumerate(sequences):
-        s = list(s)[:seq_len]
+        s = np.asarray(s, np.int32)[:seq_len]
         ids[i, : len(s)] = s
-        mask[i, : max(len(s) - 1, 0)] = True
-    feats, hidden = target_features(target, jnp.asarray(ids), tuple(feature_layers))
-    return DrafterBatch(ids=jnp.asarray(ids), features=feats, hidden=hidden, mask=jnp.asarray(mask))
+        mask[i, : len(s)] = True
+    vocab = target.config.vocab_size
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}); got ids in [{ids.min()}, {ids.max()}]")
+    features, hidden, logits = target_features(target, ids, feature_layers)
+    return DrafterBatch(ids=jnp.asarray(ids), mask=jnp.asarray(mask), features=features, hidden=hidden, logits=logits)
 
 
 @functools.partial(nnx.jit, static_argnames=("ce_weight",))
-def _eval(drafter, target, batch, ce_weight):
-    return drafter_loss(drafter, target, batch, ce_weight=ce_weight)
+def _loss_on_batch(drafter: Drafter, target: CausalLM, batch: DrafterBatch, ce_weight: float):
+    return drafter_loss(drafter, target, *batch.aligned(), ce_weight=ce_weight)
 
 
-def evaluate(drafter: Drafter, target, sequences, *, seq_len: int, batch_size: int = 32, ce_weight: float = 0.1):
-    """Mean loss and top-1 agreement with the target's argmax over ``sequences`` (all valid positions)."""
-    tot = dict(loss=0.0, count=0.0, top1=0.0, reg=0.0, ce=0.0)
+def evaluate(
+    drafter: Drafter,
+    target: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    *,
+    seq_len: int,
+    batch_size: int = 16,
+    ce_weight: float = 0.1,
+) -> dict[str, float]:
+    """Means over every valid position of ``sequences`` (cut to ``seq_len``): top-1 agreement and losses.
+
+    Returns ``top1`` (fraction of positions where the drafter's argmax equals the
+    target's), ``loss``, ``reg``, ``ce`` and ``positions`` (how many counted).
+    Batches have a fixed shape (the last is padded with empty rows), so this
+    compiles once per ``(batch_size, seq_len)``.
+    """
+    if batch_size < 1 or seq_len < 2:
+        raise ValueError(f"evaluate needs batch_size >= 1 and seq_len >= 2; got {batch_size}, {seq_len}")
+    totals = dict.fromkeys(("loss", "count", *METRICS), 0.0)
     for i in range(0, len(sequences), batch_size):
         chunk = list(sequences[i : i + batch_size])
-        chunk += [[0]] * (batch_size - len(chunk))  # fixed shape: pad with empty rows
-        b = make_batch(target, chunk, seq_len, drafter.config.feature_layers)
-        loss, count, m = _eval(drafter, target, b, ce_weight)
-        tot["loss"] += float(loss)
-        tot["count"] += float(count)
-        for k in ("top1", "reg", "ce"):
-            tot[k] += float(m[k])
-    n = max(tot["count"], 1.0)
-    return dict(loss=tot["loss"] / n, top1=tot["top1"] / n, reg=tot["reg"] / n, ce=tot["ce"] / n,
-                positions=int(tot["count"]))
+        chunk += [[]] * (batch_size - len(chunk))
+        batch = make_batch(target, chunk, seq_len, drafter.config.feature_layers)
+        loss, count, sums = jax.device_get(_loss_on_batch(drafter, target, batch, float(ce_weight)))
+        totals["loss"] += float(loss)
+        totals["count"] += float(count)
+        for k in METRICS:
+            totals[k] += float(sums[k])
+    n = max(totals["count"], 1.0)
+    return {"top1": totals["top1"] / n, "loss": totals["loss"] / n, "reg": totals["reg"] / n,
+            "ce": totals["ce"] / n, "positions": int(totals["count"])}
+
+
+def batch_order(num_sequences: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+    """``[steps, batch_size]`` sequence indices: epochs of fresh permutations, read in order."""
+    rng = np.random.default_rng(seed)
+    need = steps * batch_size
+    epochs = -(-need // num_sequences)
+    return np.concatenate([rng.permutation(num_sequences) for _ in range(epochs)])[:need].reshape(steps, batch_size)
 
 
 def train_drafter(
-    drafter: Drafter,
-    target,
+    target: CausalLM,
+    drafter_config: DrafterConfig,
     sequences: Sequence[Sequence[int]],
     *,
     steps: int,
     batch_size: int,
     seq_len: int,
     lr: float,
-    warmup: int = 20,
-    ce_weight: float = 0.1,
     seed: int = 0,
+    warmup_steps: int = 20,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    ce_weight: float = 0.1,
+    log_every: int = 10,
     progress: bool = True,
-    log_every: int = 50,
-    log=print,
-) -> list[dict]:
-    """Trains ``drafter`` in place on the target's own sequences; returns the logged metrics.
+) -> tuple[Drafter, list[dict[str, float]]]:
+    """A new drafter trained on ``target``'s outputs over ``sequences``; also the logged metrics.
 
-    Deterministic from ``seed`` (batch order). Each step draws ``batch_size``
-    sequences, computes the frozen target's features, and applies `make_update`'s step.
+    ``sequences`` are token ids (e.g. prompt + sampled response), of any length:
+    each is cut to ``seq_len`` and padded. Every step takes ``batch_size`` of them
+    (epochs of shuffled order), runs the frozen target once (`make_batch`) and
+    applies `drafter_update` (AdamW, warm-up then cosine decay, as
+    `tltjax.sft.make_optimizer`). Deterministic from ``seed`` (initial weights and
+    batch order). ``history`` has one entry per ``log_every`` steps with the
+    metrics averaged over those steps.
     """
-    if steps < 1 or batch_size < 1 or seq_len < 2 or not sequences:
-        raise ValueError(
-            f"train_drafter needs steps >= 1, batch_size >= 1, seq_len >= 2 and sequences; got steps={steps}, "
-            f"batch_size={batch_size}, seq_len={seq_len}, {len(sequences)} sequences"
+    problems = [
+        msg
+        for bad, msg in (
+            (steps < 1, f"steps={steps} must be >= 1"),
+            (batch_size < 1, f"batch_size={batch_size} must be >= 1"),
+            (seq_len < 2, f"seq_len={seq_len} must be >= 2 (a drafter position needs two tokens)"),
+            (not lr > 0, f"lr={lr} must be > 0"),
+            (log_every < 1, f"log_every={log_every} must be >= 1"),
+            (not any(len(s) >= 2 for s in sequences), f"none of the {len(sequences)} sequences has 2 or more tokens"),
         )
+        if bad
+    ]
+    if problems:
+        raise ValueError("train_drafter: " + "; ".join(problems))
     from tqdm.auto import tqdm
 
-    opt = make_optimizer(lr, warmup, steps)
-    update = make_update(drafter, target, opt, ce_weight=ce_weight)
-    state = init_state(drafter, opt)
-    tparams = nnx.state(target)
-    rng = np.random.default_rng(seed)
-    history = []
-    bar = tqdm(range(steps), desc="drafter", disable=not progress)
-    for step in bar:
-        pick = rng.choice(len(sequences), size=batch_size, replace=len(sequences) < batch_size)
-        batch = make_batch(target, [sequences[i] for i in pick], seq_len, drafter.config.feature_layers)
-        state, metrics = update(state, tparams, batch)
+    drafter = Drafter(drafter_config, rngs=nnx.Rngs(seed))
+    tx = sft.make_optimizer(lr, steps, warmup_steps, weight_decay, grad_clip)
+    state = DrafterTrainState.create(drafter, target, tx, ce_weight=ce_weight)
+    target_params = nnx.state(target)
+    order = batch_order(len(sequences), batch_size, steps, seed)
+    history: list[dict[str, float]] = []
+    pending: list[dict[str, jax.Array]] = []
+    bar = tqdm(total=steps, desc="drafter", disable=not progress, dynamic_ncols=True)
+    for step in range(steps):
+        batch = make_batch(target, [sequences[i] for i in order[step]], seq_len, drafter_config.feature_layers)
+        state, metrics = drafter_update(state, target_params, batch)
+        pending.append(metrics)
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            m = {k: float(v) for k, v in metrics.items()}
-            m["step"] = step + 1
-            history.append(m)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1']:.2f}")
-    merge_params(drafter, state)
-    return history
+            got = jax.device_get(pending)
+            entry = {k: float(np.mean([g[k] for g in got])) for k in got[0]}
+            entry["step"] = step + 1
+            history.append(entry)
+            pending = []
+            bar.set_postfix(loss=f"{entry['loss']:.3f}", top1=f"{entry['top1']:.2f}")
+        bar.update(1)
+    bar.close()
+    return state.drafter(), history

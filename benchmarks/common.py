@@ -66,12 +66,15 @@ def machine() -> dict:
                 backend=jax.default_backend(), devices=[str(d) for d in jax.devices()][:4])
 
 
-def write_json(result: dict, out: str) -> None:
+def write_json(result: dict, out: str, quiet: bool = False) -> None:
     if not out:
         return
     path = pathlib.Path(out)
     if not path.is_absolute():
         path = REPO / path
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    if not quiet:
+        print(f"wrote {path}")

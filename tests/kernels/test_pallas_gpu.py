@@ -1,4 +1,7 @@
-"""Pallas paged-attention kernels (interpret mode on CPU) against the XLA reference, and the dispatch point."""
+"""Pallas paged-attention kernels against the XLA reference, and the dispatch point.
+
+On a GPU the kernels are compiled through Triton; elsewhere they run in interpret mode.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +14,9 @@ from tltjax.kernels.paged import paged_attention_reference
 from tests.kernels.test_paged import random_paged, tree_mask
 
 _reference = jax.jit(paged_attention_reference)
+INTERPRET = jax.default_backend() != "gpu"  # compiled kernels on a GPU, interpret mode elsewhere
 
 
-@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     "group,page_size,head_dim,pages_per_seq,lengths,num_splits,dtype",
     [
@@ -33,7 +36,7 @@ def test_decode_kernel_equals_reference(group, page_size, head_dim, pages_per_se
     q = jnp.asarray(rng.randn(b, kvh * group, head_dim), dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     got = pallas_gpu.paged_decode_attention(
-        q, k_pages, v_pages, table, lengths, scale=0.3, interpret=True, block_keys=16, num_splits=num_splits
+        q, k_pages, v_pages, table, lengths, scale=0.3, interpret=INTERPRET, block_keys=16, num_splits=num_splits
     )
     up = lambda x: x.astype(jnp.float32)  # noqa: E731 - the reference in f32 on the same (rounded) inputs
     decode_mask = jnp.ones((b, 1, 1), bool)
@@ -49,7 +52,6 @@ def _random_trees(rng, batch, t):
     return np.stack([tree_mask([-1] + [rng.randint(i) for i in range(1, t)]) for _ in range(batch)])
 
 
-@pytest.mark.cpu_only
 @pytest.mark.parametrize(
     "group,page_size,head_dim,pages_per_seq,lengths,mask,block_rows,num_splits",
     [
@@ -72,7 +74,7 @@ def test_tree_kernel_equals_reference(group, page_size, head_dim, pages_per_seq,
     lengths = jnp.asarray(lengths, jnp.int32)
     got = pallas_gpu.tree_verify_attention(
         q, k_pages, v_pages, table, lengths, new_mask,
-        interpret=True, block_keys=16, block_rows=block_rows, num_splits=num_splits,
+        interpret=INTERPRET, block_keys=16, block_rows=block_rows, num_splits=num_splits,
     )
     want = _reference(q, k_pages, v_pages, table, lengths, new_mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
@@ -84,7 +86,7 @@ def test_kernels_reject_layouts_triton_cannot_tile():
     k_pages, v_pages, table = random_paged(rng, batch=1, kv_heads=1, head_dim=16, page_size=6, pages_per_seq=2)
     with pytest.raises(ValueError, match="page_size=6"):
         pallas_gpu.paged_decode_attention(
-            jnp.zeros((1, 1, 16)), k_pages, v_pages, table, jnp.array([3], jnp.int32), interpret=True
+            jnp.zeros((1, 1, 16)), k_pages, v_pages, table, jnp.array([3], jnp.int32), interpret=INTERPRET
         )
 
 
@@ -101,15 +103,29 @@ def _spy(monkeypatch, target, name, calls):
         monkeypatch.setattr(target, name, spy)
 
 
-@pytest.mark.parametrize("backend,expect", [("gpu", "pallas"), ("cpu", "reference"), ("tpu", "reference")])
-def test_dispatch_auto_picks_by_backend(monkeypatch, backend, expect):
-    """impl="auto" runs the Pallas kernels on GPU and the XLA reference on every other backend."""
-    calls = []
-    for name in kernels.PAGED_IMPLS:
-        monkeypatch.setitem(kernels.PAGED_IMPLS, name, lambda *a, _n=name, **k: calls.append(_n))
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    kernels.paged_attention(None, None, None, None, None, None)
-    assert calls == [expect]
+@pytest.mark.parametrize(
+    "backend,head_dim,page_size,expect",
+    [
+        ("gpu", 128, 16, "pallas"),
+        ("gpu", 8, 16, "reference"),  # too narrow for a Triton tile
+        ("gpu", 96, 16, "reference"),  # not a power of two
+        ("gpu", 64, 12, "reference"),
+        ("cpu", 128, 16, "reference"),
+        ("tpu", 128, 16, "reference"),
+    ],
+)
+def test_dispatch_auto_picks_by_backend_and_layout(monkeypatch, backend, head_dim, page_size, expect):
+    """impl="auto" runs the Pallas kernels on GPU when they can tile the layout, and the XLA reference on every
+    other backend and for layouts Triton cannot tile, for the whole pool (``layer``) as for one layer's pages."""
+    for layer, pool in ((None, (2, 8, page_size, head_dim)), (1, (3, 2, 8, page_size, head_dim))):
+        calls = []
+        for name in kernels.PAGED_IMPLS:
+            monkeypatch.setitem(kernels.PAGED_IMPLS, name, lambda *a, _n=name, **k: calls.append(_n))
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        q = jax.ShapeDtypeStruct((2, 1, 4, head_dim), jnp.float32)
+        pages = jax.ShapeDtypeStruct(pool, jnp.float32)
+        kernels.paged_attention(q, pages, pages, None, None, None, layer=layer)
+        assert calls == [expect]
 
 
 def test_dispatch_rejects_unknown_impl():

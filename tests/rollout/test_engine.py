@@ -10,6 +10,7 @@ distribution is tested in `test_lossless.py`.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -212,7 +213,8 @@ def test_bad_inputs_are_clear_errors(engine, target):
 
 @pytest.mark.slow
 def test_engine_runs_the_pallas_kernels():
-    """The GPU kernels (interpret mode on CPU) inside the engine's programs give the same greedy tokens."""
+    """The GPU kernels inside the engine's programs give the same greedy tokens (compiled on a GPU, interpret
+    mode elsewhere)."""
     config = CONFIG.replace(num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # Triton tiles: dim >= 16
     tgt = fill(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))), 0, 0.3)
     dft = fill(nnx.eval_shape(lambda: Drafter(DrafterConfig.for_target(config), rngs=nnx.Rngs(0))), 1, 0.1)
@@ -220,7 +222,7 @@ def test_engine_runs_the_pallas_kernels():
     cfg = EngineConfig(
         max_batch=1, max_seq_len=32, page_size=8, decode_steps=4, spec_rounds=2, spec_threshold=1,
         strategies=("eagle:depth=2,top_k=2,num_verify=3",), prefill_batch=1, prefill_lengths=(16,),
-        attention_impl="pallas_interpret",
+        attention_impl="pallas" if jax.default_backend() == "gpu" else "pallas_interpret",
     )
     eng = Engine(tgt, cfg, dft)
     for strategy in (None, "auto"):

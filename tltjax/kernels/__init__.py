@@ -43,6 +43,14 @@ def _pallas_interpret(q, k_pages, v_pages, *args, scale, layer):
     return _paged_pallas(q, _layer(k_pages, layer), _layer(v_pages, layer), *args, scale=scale, interpret=True)
 
 
+def _pallas_fits(q, k_pages, layer) -> bool:
+    """On a GPU, whether the Triton kernels take this layout (shapes are static, so this is a trace-time choice)."""
+    if jax.default_backend() != "gpu":
+        return False
+    pool = k_pages.shape if layer is None else k_pages.shape[1:]
+    return pallas_gpu.layout_problem(q.shape[2], q.shape[3], pool) is None
+
+
 # Implementations of `paged_attention` by name; "auto" picks one by backend.
 PAGED_IMPLS = {"reference": _reference, "pallas": _pallas, "pallas_interpret": _pallas_interpret}
 
@@ -64,12 +72,14 @@ def paged_attention(
     Semantics are `paged_attention_reference`'s (the block already written at
     ``lengths`` by `write_block`). ``impl``: "auto" runs the Pallas kernels on GPU
     (the decode kernel for one new token, the tree kernel otherwise) and the XLA
-    reference elsewhere; "pallas", "pallas_interpret" (the kernels in interpret
+    reference elsewhere, and on a GPU too for a layout the kernels cannot tile
+    (`pallas_gpu.layout_problem`: head_dim < 16 or not a power of two, a page size
+    that is not a power of two); "pallas", "pallas_interpret" (the kernels in interpret
     mode, for CPU tests) and "reference" force one. With ``layer``, ``k_pages`` and
     ``v_pages`` are the whole ``[layers, kv_heads, pages, page, dim]`` pool.
     """
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+        impl = "pallas" if _pallas_fits(q, k_pages, layer) else "reference"
     if impl not in PAGED_IMPLS:
         raise ValueError(f"paged_attention impl={impl!r} is unknown; choose 'auto' or one of {sorted(PAGED_IMPLS)}")
     return PAGED_IMPLS[impl](q, k_pages, v_pages, page_table, lengths, new_mask, scale=scale, layer=layer)

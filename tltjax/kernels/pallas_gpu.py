@@ -43,22 +43,34 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_layout(q_heads: int, head_dim: int, k_pages, v_pages, page_table) -> None:
-    """Raises a ValueError naming the value that does not fit the paged layout or Triton."""
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must have the same shape")
-    kvh, _, page_size, d = k_pages.shape
+def layout_problem(q_heads: int, head_dim: int, kv_shape: tuple[int, ...], v_shape: tuple[int, ...] | None = None,
+                   table_dtype=jnp.int32) -> str | None:
+    """Why the kernels cannot take this paged layout (Triton tiles, GQA), or None when they can.
+
+    ``kv_shape`` is one layer's ``[kv_heads, pages, page_size, head_dim]`` page pool.
+    """
+    if v_shape is not None and tuple(kv_shape) != tuple(v_shape):
+        return f"k_pages {tuple(kv_shape)} and v_pages {tuple(v_shape)} must have the same shape"
+    kvh, _, page_size, d = kv_shape
     if d != head_dim:
-        raise ValueError(f"queries have head_dim {head_dim} but pages hold {d}")
+        return f"queries have head_dim {head_dim} but pages hold {d}"
     if q_heads % kvh:
-        raise ValueError(f"{q_heads} query heads are not a multiple of {kvh} kv heads")
+        return f"{q_heads} query heads are not a multiple of {kvh} kv heads"
     for name, n in (("page_size", page_size), ("head_dim", head_dim)):
         if n & (n - 1):
-            raise ValueError(f"{name}={n}: the Triton kernels need a power of two; pick one for the paged cache")
+            return f"{name}={n}: the Triton kernels need a power of two; pick one for the paged cache"
     if head_dim < _MIN_TILE:
-        raise ValueError(f"head_dim={head_dim}: the Triton kernels need head_dim >= {_MIN_TILE}")
-    if page_table.dtype != jnp.int32:
-        raise ValueError(f"page_table must be int32, got {page_table.dtype}")
+        return f"head_dim={head_dim}: the Triton kernels need head_dim >= {_MIN_TILE}"
+    if table_dtype != jnp.int32:
+        return f"page_table must be int32, got {table_dtype}"
+    return None
+
+
+def _check_layout(q_heads: int, head_dim: int, k_pages, v_pages, page_table) -> None:
+    """Raises a ValueError naming the value that does not fit the paged layout or Triton."""
+    problem = layout_problem(q_heads, head_dim, k_pages.shape, v_pages.shape, page_table.dtype)
+    if problem:
+        raise ValueError(problem)
 
 
 def _key_splits(page_table, num_pages: int, page_size: int, block_keys: int, programs: int, num_splits):

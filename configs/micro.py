@@ -32,4 +32,23 @@ def get_config() -> ConfigDict:
     config.drafter.seq_len = 96
 
     config.generate.max_new_tokens = 64
+
+    config.rl.steps = 4
+    config.rl.prompts_per_step = 4
+    config.rl.samples_per_prompt = 4
+    config.rl.max_new_tokens = 64
+    config.rl.micro_batches = 2
+    config.rl.update_lengths = (64, 128)
+    config.rl.reward_workers = 1
+    config.rl.drafter_steps = 2
+    config.rl.drafter_batch = 8
+    config.rl.logprob_check_rows = 4
+    config.rl.eval_prompts = 16
+    config.rl.checkpoint_every = 2
+    config.rl.progress = False
+
+    config.rollout.max_batch = 16
+    config.rollout.spec_threshold = 4
+    config.rollout.prefill_batch = 8
+    config.rollout.prefill_lengths = (32,)
     return config

@@ -174,7 +174,7 @@ def test_missing_config_is_an_error_naming_the_configs_unless_defaulted(tmp_path
         parse_argv(["--config.seed=1"])
     monkeypatch.chdir(tmp_path)
     config, _ = parse_argv(["--config.seed=1"], default=default_config_path())
-    assert config.job == "sft_demo" and config.seed == 1
+    assert config.job == "rl" and config.seed == 1
     assert load_config(MICRO).workdir == "runs/micro"  # repo-relative paths work from anywhere
     with pytest.raises(ConfigError, match=r"not found. Did you mean configs/micro.py\?"):
         load_config("configs/mikro.py")

@@ -9,9 +9,9 @@ from ml_collections import ConfigDict
 
 
 def get_config() -> ConfigDict:
-    """Returns the default config (job `sft_demo`)."""
+    """Returns the default config (job `rl`: the tiny policy, then GRPO with speculative rollouts)."""
     config = ConfigDict()
-    config.job = "sft_demo"
+    config.job = "rl"
     config.seed = 0
     config.workdir = "runs/default"
     # Empty: $TLTJAX_CACHE, else ~/.cache/tltjax (see tltjax.paths.cache_dir).
@@ -62,6 +62,60 @@ def get_config() -> ConfigDict:
     config.drafter.ce_weight = 0.1  # weight of the cross-entropy against the policy's distribution
     config.drafter.feature_layers = ()  # target hidden layers read; empty: the final one (EAGLE-1)
     config.drafter.intermediate_size = 0  # 0: the target's
+
+    # The RL run (job rl): GRPO-family updates on rollouts of the engine below.
+    config.rl = ConfigDict()
+    config.rl.algorithm = "grpo"  # grpo | drgrpo | dapo (see tltjax/rl/grpo.py ALGORITHMS)
+    config.rl.steps = 30
+    config.rl.prompts_per_step = 16
+    config.rl.samples_per_prompt = 8
+    config.rl.temperature = 1.0
+    config.rl.top_p = 1.0
+    config.rl.max_new_tokens = 320
+    config.rl.lr = 2e-4
+    config.rl.warmup_steps = 2
+    config.rl.weight_decay = 0.0
+    config.rl.grad_clip = 1.0
+    config.rl.micro_batches = 2  # per update; must divide prompts_per_step * samples_per_prompt
+    # Loss overrides of the algorithm's preset; 0 / "" keep the preset's value.
+    config.rl.clip_low = 0.0
+    config.rl.clip_high = 0.0
+    config.rl.kl_coef = 0.0  # > 0 keeps a frozen reference policy in memory
+    config.rl.kl_kind = "low_var_kl"  # kl | low_var_kl | mse
+    config.rl.update_lengths = (128, 256, 416)  # padded update widths (one compilation each)
+    # Rewards: "" uses the task's scorer (config.task.name); else a registered name or "module:function".
+    config.rl.reward = ""
+    config.rl.reward_workers = 2
+    config.rl.reward_timeout_s = 10.0
+    # Prompts: "" generates them from config.task; else a .jsonl / .parquet file with these fields.
+    config.rl.dataset = ""
+    config.rl.prompt_field = "prompt"
+    config.rl.answer_field = "answer"
+    config.rl.baseline = False  # True: the same run without speculative decoding
+    config.rl.drafter_init = "offline"  # offline (the train_drafter job's, cached) | scratch
+    config.rl.drafter_steps = 8  # online drafter updates per RL step, on that step's rollouts
+    config.rl.drafter_batch = 16
+    config.rl.logprob_check_rows = 8  # rows whose log-probs are recomputed each step (mismatch logged)
+    config.rl.eval_prompts = 128  # held-out prompts, greedy, at the start and the end (0: none)
+    config.rl.checkpoint_every = 5
+    config.rl.keep_checkpoints = 2
+    config.rl.resume = True  # continue from the workdir's last complete checkpoint
+    config.rl.tensorboard = True
+    config.rl.wandb = False
+    config.rl.plots = True
+    config.rl.progress = True
+
+    # The rollout engine (tltjax/rollout/engine.py EngineConfig).
+    config.rollout = ConfigDict()
+    config.rollout.max_batch = 128
+    config.rollout.page_size = 16
+    config.rollout.memory_budget_mb = 0.0  # 0: room for max_batch full-length rows
+    config.rollout.decode_steps = 8
+    config.rollout.spec_rounds = 4
+    config.rollout.spec_threshold = 16  # speculate when the active rows fit this bucket
+    config.rollout.strategies = ("eagle:depth=4",)
+    config.rollout.prefill_batch = 16
+    config.rollout.prefill_lengths = (32, 64)
 
     config.generate = ConfigDict()
     config.generate.max_new_tokens = 256

@@ -66,3 +66,9 @@ def _sft_demo(config: ConfigDict) -> int:
 def _train_drafter(config: ConfigDict) -> int:
     """Train (or load from the cache) an EAGLE drafter on the tiny policy's own samples."""
     return _import("tltjax.drafter.offline").run(config)
+
+
+@register_job("rl")
+def _rl(config: ConfigDict) -> int:
+    """GRPO-family RL with speculative rollouts on the config's task (the tiny policy by default)."""
+    return _import("tltjax.rl.trainer").run(config)

@@ -90,7 +90,7 @@ def sft_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 

@@ -359,6 +359,7 @@ class Engine:
         strategy: StrategyChoice = "auto",
         return_features: bool = False,
         progress: Callable[[dict], None] | None = None,
+        on_finish: Callable[[GeneratedSequence], None] | None = None,
     ) -> tuple[list[GeneratedSequence], GenerateStats]:
         """Generates ``n`` samples per prompt; returns (sequences in prompt-major order, stats).
 
@@ -367,6 +368,9 @@ class Engine:
         mapping bucket → strategy, or a callable ``bucket -> Strategy | None``.
         Only strategies of the compiled pool can run. ``progress`` receives a
         dict after every device call (tokens, active rows, mean accept length).
+        ``on_finish`` receives each sequence as soon as it finishes (its tokens,
+        log-probs and finish reason are final; ``features`` are filled in at the
+        end of the call), so that work on it (e.g. its reward) overlaps the tail.
         """
         c = self.config
         self._check_inputs(prompts, n, max_new_tokens, stop_ids)
@@ -405,6 +409,8 @@ class Engine:
             alloc.free(i)
             free_slots.append(slot_of.pop(i))
             del admitted_order[i]
+            if on_finish is not None:
+                on_finish(s)
 
         def take(i: int, toks, lps, feats) -> bool:
             """Appends emitted tokens to sequence i; True when it finished."""

@@ -1,0 +1,138 @@
+"""The RL loop end to end on the micro config: a smoke run, and kill-and-resume reproducibility."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tltjax.config import load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MICRO = "configs/micro.py"
+# metrics that depend on wall time, not on what was computed
+TIMING = ("time/", "rollout/tokens_per_s")
+
+
+def micro_config(workdir, cache_dir, *overrides):
+    return load_config(MICRO, [f"--config.workdir={workdir}", f"--config.cache_dir={cache_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A cache holding the micro policy and its offline drafter, trained once for this module."""
+    from tltjax import tiny_policy
+    from tltjax.drafter import offline
+
+    cache = tmp_path_factory.mktemp("cache")
+    cfg = micro_config(cache / "unused", cache)
+    policy = tiny_policy.get_tiny_policy(cfg, progress=False, log=lambda *a: None)
+    offline.get_drafter(cfg, policy, progress=False, log=lambda *a: None)
+    return cache
+
+
+def read(workdir) -> list[dict]:
+    from tltjax.metrics import read_metrics
+
+    return read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+
+
+def test_rl_smoke_run_logs_every_step_checkpoints_and_plots(tmp_path, cache_dir):
+    """A few GRPO steps with speculative rollouts: every step logged with finite metrics, no
+    compilation after warm-up, rollout log-probs equal a recompute, checkpoints, plots, summary."""
+    from tltjax.rl.trainer import Trainer
+
+    cfg = micro_config(tmp_path / "run", cache_dir, "--config.rl.steps=4")
+    summary = Trainer(cfg, log_fn=lambda *a: None).run()
+    rows = read(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert all(np.isfinite(v) for v in r.values()), r
+        assert 0.0 <= r["reward/mean"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0
+        assert r["rollout/compilations"] == 0  # the engine's pool covered every call
+        assert r["logprob/mismatch_max"] < 1e-4  # the rollout's log-probs are the policy's
+        assert r["logprob/update_mismatch_max"] < 1e-4
+        assert r["reward/errors"] == 0 and r["reward/timeouts"] == 0
+        assert r["time/rollout"] > 0 and r["time/update"] > 0
+    # below the threshold the engine speculated, and the online drafter trained
+    assert any(r["rollout/spec_token_frac"] > 0 for r in rows)
+    assert all("drafter/loss" in r for r in rows)
+    assert summary["steps"] == 4 and 0.0 <= summary["eval_accuracy_end"] <= 1.0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+    assert sorted(p.name for p in (tmp_path / "run" / "plots").glob("*.png")) == [
+        "accept_length.png", "response_length.png", "reward.png", "time_breakdown.png"]
+    from tltjax.checkpoint import Checkpointer
+
+    assert Checkpointer(tmp_path / "run" / "checkpoints").all_steps() == [2, 4]  # keep_checkpoints=2
+
+
+def test_baseline_switch_never_speculates(tmp_path, cache_dir):
+    """rl.baseline=True runs the same loop with plain decoding only."""
+    from tltjax.rl.trainer import Trainer
+
+    cfg = micro_config(tmp_path / "base", cache_dir, "--config.rl.steps=1", "--config.rl.baseline=true",
+                       "--config.rl.eval_prompts=0", "--config.rl.plots=false")
+    Trainer(cfg, log_fn=lambda *a: None).run()
+    (row,) = read(tmp_path / "base")
+    assert row["rollout/spec_token_frac"] == 0.0 and row["rollout/accept_length"] == 0.0
+
+
+def _cmd(workdir, cache_dir, steps):
+    return [sys.executable, "-m", "tltjax.main", f"--config={MICRO}", f"--config.workdir={workdir}",
+            f"--config.cache_dir={cache_dir}", f"--config.rl.steps={steps}", "--config.rl.checkpoint_every=1",
+            "--config.rl.keep_checkpoints=2", "--config.rl.eval_prompts=0", "--config.rl.plots=false"]
+
+
+def _run(cmd, until=None, timeout=600):
+    """Runs ``cmd``; with ``until`` (a predicate polled every 50 ms), SIGKILLs it once that holds."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    if until is None:
+        out, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, out[-4000:]
+        return True
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        if until():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.05)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-4000:]
+    return False  # finished before the condition held
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_and_reproduces_the_uninterrupted_metrics(tmp_path, cache_dir):
+    """SIGKILL during a checkpoint save and again between steps; each restart resumes from the last
+    complete checkpoint, and every step's metrics (timings aside) equal an uninterrupted run's."""
+    steps = 6
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    _run(_cmd(ref, cache_dir, steps))
+    ckpts = run / "checkpoints"
+
+    def saving():  # an orbax temp directory exists: a save is in flight
+        return ckpts.exists() and any(".orbax-checkpoint-tmp" in p.name for p in ckpts.iterdir())
+
+    def logged(n):
+        f = run / "metrics.jsonl"
+        return lambda: f.exists() and len(f.read_text().splitlines()) >= n
+
+    killed = [_run(_cmd(run, cache_dir, steps), until=saving)]
+    killed.append(_run(_cmd(run, cache_dir, steps), until=logged(4)))
+    _run(_cmd(run, cache_dir, steps))
+    assert any(killed), "neither kill landed before the run finished"
+    want, got = read(ref), read(run)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for a, b in zip(want, got):
+        for k in a:
+            if not k.startswith(TIMING):
+                assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k, a[k], b[k])

@@ -1,0 +1,457 @@
+"""The RL loop (job ``rl``): rollout → rewards → GRPO update → online drafter update, checkpointed.
+
+The host side only schedules pure jitted steps: `Engine.generate` (plain and
+speculative rollout), `grpo_update`, `drafter_update` and a log-prob check.
+One RL step:
+
+1. a batch of prompts (resumable sampler) × ``samples_per_prompt`` rollouts at
+   ``rl.temperature``; speculation below ``rollout.spec_threshold`` active rows
+   (none with ``rl.baseline``). Each finished sequence goes to the reward pool
+   at once, so rewards overlap the rollout's tail;
+2. group advantages (the algorithm's estimator), DAPO's dynamic sampling;
+3. a log-prob recompute on a few rows (the rollout's log-probs are the old
+   log-probs: exact, since speculation is lossless) and one `grpo_update`;
+4. the new policy goes to the engine; the drafter takes a few updates on this
+   step's sequences against the new policy, and goes to the engine too.
+
+Every ``rl.checkpoint_every`` steps everything the next steps depend on is saved
+(policy and drafter params and optimiser states, the prompt sampler's position);
+a run restarted in the same workdir resumes from the last complete checkpoint
+and reproduces the metrics an uninterrupted run would have logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from tltjax import sft, tiny_policy
+from tltjax.config import ConfigError
+from tltjax.rl import datasets as datasets_lib
+from tltjax.rl import grpo
+from tltjax.rl import rewards as rewards_lib
+from tltjax.rl import tasks as tasks_lib
+from tltjax.rollout.sampling import SamplingParams
+
+log = logging.getLogger("tltjax.rl.trainer")
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out problems (as in sft_demo)
+PROMPT_SEED_OFFSET = 40_000  # RL prompts: a seed stream apart from the SFT data
+
+
+# ---------------------------------------------------------------------------- batch building
+def update_width(lengths: list[int], buckets: tuple[int, ...]) -> int:
+    """The narrowest of ``buckets`` holding the longest sequence (the widest one if none does)."""
+    longest = max(lengths)
+    for w in sorted(buckets):
+        if w >= longest:
+            return int(w)
+    return int(max(buckets))
+
+
+def build_batch(
+    seqs, advantages: np.ndarray, keep: np.ndarray, width: int, pad_id: int
+) -> grpo.GRPOBatch:
+    """The `GRPOBatch` of ``seqs`` (prompt + response, right-padded to ``width``).
+
+    ``loss_mask[r, t] = 1`` where token ``t`` of row ``r`` is a response token
+    (cut at ``width``) and the row is kept; ``old_logp`` holds the rollout's
+    log-probs of those tokens. Rows not kept (dynamic sampling) count for nothing.
+    """
+    n = len(seqs)
+    tokens = np.full((n, width), pad_id, np.int32)
+    mask = np.zeros((n, width), np.float32)
+    old = np.zeros((n, width), np.float32)
+    for r, s in enumerate(seqs):
+        ctx = (s.prompt + s.tokens)[:width]
+        tokens[r, : len(ctx)] = ctx
+        p = len(s.prompt)
+        m = max(min(len(s.tokens), width - p), 0)
+        if keep[r] and m:
+            mask[r, p : p + m] = 1.0
+            old[r, p : p + m] = s.logprobs[:m]
+    return grpo.GRPOBatch(
+        tokens=jnp.asarray(tokens), positions=None, loss_mask=jnp.asarray(mask), old_logp=jnp.asarray(old),
+        advantages=jnp.asarray(advantages, jnp.float32), ref_logp=None,
+    )
+
+
+def length_stats(lengths) -> dict[str, float]:
+    a = np.asarray(lengths, np.float64)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "max": float(a.max())}
+
+
+# ---------------------------------------------------------------------------- the trainer
+@dataclasses.dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+    lengths: list[int]
+
+
+class Trainer:
+    """Holds the policy, drafter, engine, reward pool, sampler and logger of one RL run."""
+
+    def __init__(self, config: ConfigDict, *, log_fn=print):
+        from tltjax import checkpoint as ckpt_lib
+        from tltjax import metrics as metrics_lib
+
+        check_config(config)
+        self.config, self.rl, self.log = config, config.rl, log_fn
+        rl = config.rl
+        self.workdir = pathlib.Path(config.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+        # ---- policy and tokenizer
+        self.policy_dir = tiny_policy.get_tiny_policy(config, progress=rl.progress, log=log_fn)
+        policy, self.tokenizer = tiny_policy.load_policy(self.policy_dir)
+        self.task = tasks_lib.get_task(config.task.name)
+        self.eos_id = self.tokenizer.eos_id
+        self.pad_id = self.tokenizer.pad_id or 0
+
+        # ---- prompts, rewards
+        if rl.dataset:
+            examples = datasets_lib.load_prompt_dataset(rl.dataset, rl.prompt_field, rl.answer_field)
+        else:
+            examples = datasets_lib.task_dataset(
+                config.task.name, config.task.num_train, config.seed + PROMPT_SEED_OFFSET, **config.task.options.to_dict()
+            )
+        self.examples = examples
+        self.prompt_ids = datasets_lib.encode(examples, self.tokenizer)
+        longest_prompt = max(len(p) for p in self.prompt_ids)
+        self.sampler = datasets_lib.PromptSampler(examples, rl.prompts_per_step, seed=config.seed)
+        self.reward_name = rl.reward or config.task.name
+        self.rewards = rewards_lib.RewardPool(self.reward_name, num_workers=rl.reward_workers,
+                                              timeout_s=rl.reward_timeout_s)
+        self.evals = tiny_policy.task_examples(config, rl.eval_prompts, seed=config.seed + EVAL_SEED_OFFSET) \
+            if rl.eval_prompts else []
+
+        # ---- policy train state
+        self.loss_cfg = grpo.loss_config(rl.algorithm, temperature=float(rl.temperature), **loss_overrides(rl))
+        tx = sft.make_optimizer(rl.lr, rl.steps, rl.warmup_steps, rl.weight_decay, rl.grad_clip)
+        self.state = sft.TrainState.create(policy, tx)
+        # the reference policy: the initial one, frozen; held only when the KL term is on
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.loss_cfg.kl_coef > 0 else None
+        self.sampling = SamplingParams(temperature=rl.temperature, top_p=rl.top_p)
+        self.max_seq_len = longest_prompt + rl.max_new_tokens
+        self.update_lengths = tuple(sorted(set(int(w) for w in rl.update_lengths) | {self.max_seq_len}))
+
+        # ---- drafter (its own train state; the engine reads its params)
+        from tltjax.drafter import offline
+        from tltjax.drafter.model import Drafter, load_drafter
+        from tltjax.drafter.train import DrafterTrainState
+
+        self.speculate = not rl.baseline and config.rollout.spec_threshold > 0
+        if rl.drafter_init == "offline":
+            drafter = load_drafter(offline.get_drafter(config, self.policy_dir, progress=rl.progress, log=log_fn),
+                                   policy.config)
+        else:
+            drafter = Drafter(offline.drafter_config(config, policy), rngs=nnx.Rngs(config.seed))
+        dtx = sft.make_optimizer(config.drafter.lr, max(rl.steps * rl.drafter_steps, 1), 0,
+                                 0.0, 1.0)
+        self.drafter_state = DrafterTrainState.create(drafter, policy, dtx, ce_weight=config.drafter.ce_weight)
+
+        # ---- engine
+        from tltjax.rollout.engine import Engine, EngineConfig
+
+        r = config.rollout
+        self.engine_config = EngineConfig(
+            max_batch=r.max_batch, max_seq_len=self.max_seq_len, page_size=r.page_size,
+            memory_budget_mb=r.memory_budget_mb, decode_steps=r.decode_steps, spec_rounds=r.spec_rounds,
+            spec_threshold=r.spec_threshold if self.speculate else 0, strategies=tuple(r.strategies),
+            prefill_batch=r.prefill_batch, prefill_lengths=tuple(n for n in r.prefill_lengths if n <= self.max_seq_len),
+            max_group=rl.samples_per_prompt,
+        )
+        self.engine = Engine(policy, self.engine_config, drafter)
+
+        # ---- checkpoints, metrics
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", keep=rl.keep_checkpoints)
+        self.start_step = 0
+        if rl.resume and self.checkpointer.latest_step() is not None:
+            self._restore()
+        self.metrics = metrics_lib.MetricsLogger(
+            self.workdir, tensorboard=rl.tensorboard, wandb=rl.wandb,
+            resume_step=self.start_step if self.start_step else None,
+        )
+        if not self.start_step:
+            # a fresh run in a used workdir: drop metrics of an earlier run
+            self.metrics.close()
+            self.metrics = metrics_lib.MetricsLogger(self.workdir, tensorboard=rl.tensorboard, wandb=rl.wandb,
+                                                     resume_step=0)
+        self.metrics_lib = metrics_lib
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_state(self) -> dict:
+        s, d = self.state, self.drafter_state
+        return {"policy": {"params": s.params, "opt_state": s.opt_state, "step": s.step},
+                "drafter": {"params": d.params, "opt_state": d.opt_state, "step": d.step}}
+
+    def _save(self, step: int) -> None:
+        host = {"step": step, "sampler": self.sampler.state(), "policy_dir": str(self.policy_dir),
+                "reward_counts": dict(self.rewards.counts)}
+        self.checkpointer.save(step, self._ckpt_state(), host)
+
+    def _restore(self) -> None:
+        step = self.checkpointer.latest_step()
+        state, host = self.checkpointer.restore(step, target=self._ckpt_state())
+        self.state = self.state.replace(**state["policy"])
+        self.drafter_state = self.drafter_state.replace(**state["drafter"])
+        self.sampler.restore(host["sampler"])
+        self.start_step = int(host["step"])
+        self._sync_engine()
+        self.log(f"rl: resumed from the checkpoint of step {self.start_step} in {self.checkpointer.directory}")
+
+    def _sync_engine(self) -> None:
+        self.engine.set_params(target=self.state.model(), drafter=self.drafter_state.drafter())
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> float:
+        """Greedy accuracy of the current policy on the held-out problems (nan without any)."""
+        if not self.evals:
+            return float("nan")
+        acc, _ = tiny_policy.accuracy(self.state.model(), self.tokenizer, self.evals, self.task,
+                                      max_new_tokens=self.rl.max_new_tokens)
+        return acc
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int, progress=None) -> StepResult:
+        rl = self.rl
+        t_step = time.perf_counter()
+        batch_idx = self.sampler.next()
+        prompts = [self.prompt_ids[i] for i in batch_idx]
+        answers = [self.examples[i].answer for i in batch_idx]
+        n = rl.samples_per_prompt
+
+        # ---- rollout, rewards submitted as sequences finish
+        def on_finish(s):
+            text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+            self.rewards.submit(s.prompt_index * n + s.sample_index, text, answers[s.prompt_index])
+
+        seqs, stats = self.engine.generate(
+            prompts, n=n, sampling=self.sampling, max_new_tokens=rl.max_new_tokens, stop_ids=(self.eos_id,),
+            seed=hash_seed(self.config.seed, step), strategy="auto" if self.speculate else None,
+            on_finish=on_finish, progress=progress,
+        )
+        t0 = time.perf_counter()
+        results = self.rewards.results()
+        t_reward = time.perf_counter() - t0
+        rewards = np.array([r.reward for r in results], np.float32).reshape(-1, n)
+        failures = {k: sum(r.status == k for r in results) for k in ("error", "timeout")}
+
+        # ---- advantages, dynamic sampling
+        adv = np.asarray(grpo.get_advantage_estimator(self.loss_cfg.advantage)(jnp.asarray(rewards)))
+        zero_var = np.asarray(grpo.zero_variance_groups(jnp.asarray(rewards)))
+        keep = np.repeat(~zero_var if self.loss_cfg.dynamic_sampling else np.ones_like(zero_var), n)
+        width = update_width([len(s.prompt) + len(s.tokens) for s in seqs], self.update_lengths)
+        batch = build_batch(seqs, adv.reshape(-1), keep, width, self.pad_id)
+        if self.ref_params is not None:
+            ref = grpo.compute_logprobs(self.state.graphdef, self.ref_params, batch.tokens,
+                                        temperature=self.loss_cfg.temperature)
+            batch = batch.replace(ref_logp=ref * batch.loss_mask)
+
+        # ---- log-prob check on a few rows: recompute under the rollout's params
+        t0 = time.perf_counter()
+        k = min(rl.logprob_check_rows, len(seqs))
+        mismatch = 0.0
+        if k:
+            lp = grpo.compute_logprobs(self.state.graphdef, self.state.params, batch.tokens[:k],
+                                       temperature=self.loss_cfg.temperature)
+            m = np.asarray(batch.loss_mask[:k]) > 0
+            if m.any():
+                mismatch = float(np.abs(np.asarray(lp) - np.asarray(batch.old_logp[:k]))[m].max())
+        t_check = time.perf_counter() - t0
+
+        # ---- policy update
+        t0 = time.perf_counter()
+        self.state, upd = grpo.grpo_update(self.state, batch, loss_cfg=self.loss_cfg, micro_batches=rl.micro_batches)
+        upd = jax.device_get(upd)
+        t_update = time.perf_counter() - t0
+
+        # ---- drafter: a few updates on this step's sequences against the new policy
+        t0 = time.perf_counter()
+        dmetrics = self._train_drafter(seqs, step)
+        t_drafter = time.perf_counter() - t0
+        self._sync_engine()
+
+        lengths = [len(s.tokens) for s in seqs]
+        ls = length_stats(lengths)
+        correct = (rewards >= 1.0).mean()
+        rollout_plain = stats.time_decode + stats.time_prefill
+        m = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "accuracy": float(correct),
+            "response_length/mean": ls["mean"], "response_length/p50": ls["p50"],
+            "response_length/p90": ls["p90"], "response_length/max": ls["max"],
+            "groups/zero_variance_frac": float(zero_var.mean()),
+            "loss": float(upd["loss"]), "pg_loss": float(upd["pg_loss"]), "kl": float(upd["kl"]),
+            "entropy": float(upd["entropy"]), "clip_fraction": float(upd["clip_fraction"]),
+            "grad_norm": float(upd["grad_norm"]), "logprob/mismatch_max": mismatch,
+            "logprob/update_mismatch_max": float(upd["logp_mismatch_max"]),
+            "rollout/tokens": stats.tokens, "rollout/tokens_per_s": stats.tokens / max(stats.time_total, 1e-9),
+            "rollout/accept_length": stats.mean_accept_length, "rollout/spec_token_frac":
+                stats.spec_tokens / max(stats.tokens, 1), "rollout/compilations": stats.compilations,
+            "rollout/preemptions": stats.preemptions,
+            "reward/errors": failures["error"], "reward/timeouts": failures["timeout"],
+            "time/rollout": stats.time_total, "time/rollout_plain": rollout_plain, "time/rollout_spec": stats.time_spec,
+            "time/rollout_host": stats.time_host, "time/reward": t_reward, "time/logprob_check": t_check,
+            "time/update": t_update, "time/drafter": t_drafter,
+        }
+        m.update({f"drafter/{k}": float(v) for k, v in dmetrics.items()})
+        m["time/step"] = time.perf_counter() - t_step
+        m["time/idle"] = stats.time_host + t_reward  # the device waits on the host
+        return StepResult(step=step, metrics=m, lengths=lengths)
+
+    def _train_drafter(self, seqs, step: int) -> dict[str, float]:
+        from tltjax.drafter.train import drafter_update, make_batch
+
+        rl = self.rl
+        if rl.drafter_steps <= 0 or not self.speculate:
+            return {}
+        target = self.state.model()
+        target_params = nnx.state(target)
+        rng = np.random.default_rng(hash_seed(self.config.seed + 1, step))
+        width = update_width([len(s.prompt) + len(s.tokens) for s in seqs], self.update_lengths)
+        feature_layers = self.engine.feature_layers
+        got = []
+        for _ in range(rl.drafter_steps):
+            pick = rng.choice(len(seqs), size=min(rl.drafter_batch, len(seqs)), replace=False)
+            batch = make_batch(target, [seqs[i].context for i in pick], width, feature_layers, pad_id=self.pad_id)
+            self.drafter_state, dm = drafter_update(self.drafter_state, target_params, batch)
+            got.append(dm)
+        got = jax.device_get(got)
+        return {k: float(np.mean([g[k] for g in got])) for k in ("loss", "top1")}
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        rl = self.rl
+        progress = self.metrics_lib.Progress(total=rl.steps - self.start_step, desc="rl",
+                                             enabled=rl.progress)
+        t_run = time.perf_counter()
+        acc_start = self.evaluate() if self.start_step == 0 else float("nan")
+        if self.start_step == 0 and self.evals:
+            self.log(f"rl: greedy accuracy before RL on {len(self.evals)} held-out problems: {acc_start:.1%}")
+        history: list[dict] = []
+        lengths_all: list[int] = []
+        try:
+            for step in range(self.start_step + 1, rl.steps + 1):
+                bar = self.metrics_lib.Progress(total=None, desc=f"rollout {step}", enabled=rl.progress, leave=False)
+
+                def on_progress(p, bar=bar):
+                    bar.update(0, tokens=p["tokens"], active=p["active"], accept=f"{p['accept']:.2f}")
+
+                res = self.step(step, progress=on_progress)
+                bar.close()
+                self.metrics.log(step, res.metrics)
+                history.append({"step": step, **res.metrics})
+                lengths_all += res.lengths
+                m = res.metrics
+                progress.update(1, reward=f"{m['reward/mean']:.3f}", len=f"{m['response_length/mean']:.0f}",
+                                tau=f"{m['rollout/accept_length']:.2f}", s=f"{m['time/step']:.1f}")
+                if step % rl.checkpoint_every == 0 or step == rl.steps:
+                    self._save(step)
+        finally:
+            progress.close()
+            self.checkpointer.wait()
+        acc_end = self.evaluate()
+        wall = time.perf_counter() - t_run
+        summary = self._summarize(history, lengths_all, acc_start, acc_end, wall)
+        self.close()
+        return summary
+
+    def _summarize(self, history, lengths, acc_start, acc_end, wall) -> dict:
+        ml = self.metrics_lib
+        records = ml.read_metrics(self.workdir / "metrics.jsonl")
+        cols = ["step", "reward/mean", "accuracy", "response_length/mean", "response_length/max",
+                "rollout/accept_length", "time/rollout", "time/update", "time/step"]
+        table = ml.summary_table(records, cols)
+        self.log(table)
+        plots = ml.write_plots(records, self.workdir / "plots", lengths=lengths) if self.rl.plots else []
+        first = [r for r in records if r["step"] <= 3]
+        last = [r for r in records if r["step"] > max(r2["step"] for r2 in records) - 3] if records else []
+        mean = lambda rows, k: float(np.mean([r[k] for r in rows])) if rows else float("nan")  # noqa: E731
+        summary = {
+            "steps": len(records), "wall_seconds": wall, "baseline": bool(self.rl.baseline),
+            "eval_accuracy_start": acc_start, "eval_accuracy_end": acc_end,
+            "train_accuracy_first3": mean(first, "accuracy"), "train_accuracy_last3": mean(last, "accuracy"),
+            "reward_first3": mean(first, "reward/mean"), "reward_last3": mean(last, "reward/mean"),
+            "mean_step_seconds": mean(records, "time/step"), "mean_rollout_seconds": mean(records, "time/rollout"),
+            "rollout_share": mean(records, "time/rollout") / max(mean(records, "time/step"), 1e-9),
+            "mean_accept_length": mean([r for r in records if r.get("rollout/accept_length")], "rollout/accept_length"),
+            "reward_failures": dict(self.rewards.counts), "plots": [str(p) for p in plots],
+        }
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.log(f"rl: {summary['steps']} steps in {wall:.0f} s; greedy held-out accuracy {acc_start:.1%} -> "
+                 f"{acc_end:.1%}; train accuracy {summary['train_accuracy_first3']:.1%} (first 3 steps) -> "
+                 f"{summary['train_accuracy_last3']:.1%} (last 3); rollout {summary['rollout_share']:.0%} of step time; "
+                 f"wrote {self.workdir / 'summary.json'}" + (f" and {len(plots)} plots" if plots else ""))
+        return summary
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.metrics.close()
+        self.checkpointer.close()
+
+
+def hash_seed(seed: int, step: int) -> int:
+    """A 31-bit seed for (seed, step), the same in every process."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, step]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def loss_overrides(rl: ConfigDict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rl.clip_low:
+        out["clip_low"] = float(rl.clip_low)
+    if rl.clip_high:
+        out["clip_high"] = float(rl.clip_high)
+    if rl.kl_coef:
+        out["kl_coef"] = float(rl.kl_coef)
+        out["kl_kind"] = rl.kl_kind
+    return out
+
+
+def check_config(config: ConfigDict) -> None:
+    """Raises `ConfigError` naming the first ``config.rl`` field that cannot work."""
+    rl = config.rl
+    rows = rl.prompts_per_step * rl.samples_per_prompt
+    rules = [
+        ("algorithm", rl.algorithm in grpo.ALGORITHMS, f"must be one of {sorted(grpo.ALGORITHMS)}"),
+        ("steps", rl.steps >= 1, "must be >= 1"),
+        ("prompts_per_step", rl.prompts_per_step >= 1, "must be >= 1"),
+        ("samples_per_prompt", rl.samples_per_prompt >= 1, "must be >= 1 (GRPO needs >= 2 to learn)"),
+        ("micro_batches", rl.micro_batches >= 1 and rows % rl.micro_batches == 0,
+         f"must be >= 1 and divide prompts_per_step * samples_per_prompt = {rows}"),
+        ("max_new_tokens", rl.max_new_tokens >= 1, "must be >= 1"),
+        ("lr", rl.lr > 0, "must be > 0"),
+        ("temperature", rl.temperature > 0, "must be > 0 (RL samples its rollouts)"),
+        ("top_p", rl.top_p == 1.0, "must be 1.0: the update trains the temperature-scaled distribution, and "
+         "top-p sampling would make the rollout's log-probs those of another one"),
+        ("drafter_init", rl.drafter_init in ("offline", "scratch"), "must be 'offline' or 'scratch'"),
+        ("checkpoint_every", rl.checkpoint_every >= 1, "must be >= 1"),
+        ("keep_checkpoints", rl.keep_checkpoints >= 1, "must be >= 1"),
+        ("kl_coef", rl.kl_coef >= 0, "must be >= 0 (0: no reference policy in memory)"),
+        ("reward_workers", rl.reward_workers >= 0, "must be >= 0 (0 computes rewards in this process)"),
+        ("reward_timeout_s", rl.reward_timeout_s > 0, "must be > 0"),
+    ]
+    for name, ok, why in rules:
+        if not ok:
+            raise ConfigError(f"config.rl.{name}={rl[name]!r} {why}")
+    if rows > config.rollout.max_batch:
+        # the engine queues rows beyond max_batch: allowed, but say it once
+        log.info("rl: %d rows per step exceed rollout.max_batch=%d; the rest wait", rows, config.rollout.max_batch)
+
+
+def run(config: ConfigDict) -> int:
+    """The ``rl`` job."""
+    trainer = Trainer(config)
+    trainer.run()
+    return 0

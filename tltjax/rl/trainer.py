@@ -39,7 +39,7 @@ from tltjax import sft, tiny_policy
 from tltjax.config import ConfigError
 from tltjax.rl import datasets as datasets_lib
 from tltjax.rl import grpo
-from tltjax.rl import rewards as rewards_lib
+from tltjax.rl import reward_pool
 from tltjax.rl import tasks as tasks_lib
 from tltjax.rollout.sampling import SamplingParams
 
@@ -132,7 +132,7 @@ class Trainer:
         longest_prompt = max(len(p) for p in self.prompt_ids)
         self.sampler = datasets_lib.PromptSampler(examples, rl.prompts_per_step, seed=config.seed)
         self.reward_name = rl.reward or config.task.name
-        self.rewards = rewards_lib.RewardPool(self.reward_name, num_workers=rl.reward_workers,
+        self.rewards = reward_pool.RewardPool(self.reward_name, num_workers=rl.reward_workers,
                                               timeout_s=rl.reward_timeout_s)
         self.evals = tiny_policy.task_examples(config, rl.eval_prompts, seed=config.seed + EVAL_SEED_OFFSET) \
             if rl.eval_prompts else []

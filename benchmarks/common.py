@@ -1,6 +1,6 @@
 """What the rollout benchmarks share: the in-repo target, its offline-trained drafter, task prompts, output.
 
-The target is the tiny policy of ``configs/default.py`` (trained on first use and
+The target is the tiny policy of ``configs/spec_default.py`` (the default's) (trained on first use and
 cached) or any Hugging Face directory given with ``--model``. The drafter is
 trained offline on the target's own sampled responses (the ``train_drafter``
 job's code) and cached next to it, or read from ``--drafter``.
@@ -19,7 +19,8 @@ if str(REPO) not in sys.path:
 
 
 def add_model_args(p) -> None:
-    p.add_argument("--config", default=str(REPO / "configs/default.py"), help="config of the target and its task")
+    p.add_argument("--config", default=str(REPO / "configs/spec_default.py"),
+                   help="config of the target, its task and its offline drafter")
     p.add_argument("--model", help="a Hugging Face model directory to use as target instead of the tiny policy")
     p.add_argument("--drafter", help="a drafter directory (save_drafter format); default: train one offline and cache it")
     p.add_argument("--seed", type=int, default=0)
@@ -78,3 +79,43 @@ def write_json(result: dict, out: str, quiet: bool = False) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a file
     if not quiet:
         print(f"wrote {path}")
+
+
+def make_trainer(config: str, sets, workdir: str, steps: int, overrides: dict | None = None):
+    """An RL `Trainer` for a benchmark arm: ``config`` with ``--set`` overrides ``sets`` (KEY=VALUE),
+    then ``overrides`` ({"section.name": value}); quiet, no plots, held-out eval or checkpoints."""
+    from tltjax.config import load_config
+    from tltjax.rl.trainer import Trainer
+
+    cfg = load_config(config, [f"--config.{kv}" for kv in sets])
+    fixed = {"workdir": workdir, "rl.steps": steps, "rl.resume": False, "rl.progress": False, "rl.plots": False,
+             "rl.eval_prompts": 0, "rl.checkpoint_every": steps + 1}
+    with cfg.unlocked():
+        for key, value in {**fixed, **(overrides or {})}.items():
+            *path, name = key.split(".")
+            node = cfg
+            for p in path:
+                node = node[p]
+            node[name] = value
+    return Trainer(cfg, log_fn=lambda *a: None)
+
+
+def alternate_steps(runs: dict, steps: int, line) -> dict[str, list[dict]]:
+    """Warms up every trainer of ``runs`` then runs their steps alternately (arm a step 1, arm b step 1, ...).
+
+    ``line(name, metrics)`` formats the progress line printed after each step; returns each arm's
+    metrics per step. The trainers are closed at the end.
+    """
+    for t in runs.values():
+        t.warmup()
+    hist = {k: [] for k in runs}
+    try:
+        for step in range(1, steps + 1):
+            for name, t in runs.items():
+                m = t.step(step).metrics
+                hist[name].append({"step": step, **m})
+                print(f"step {step:3d} {name}: {line(name, m)}", flush=True)
+    finally:
+        for t in runs.values():
+            t.close()
+    return hist

@@ -39,20 +39,7 @@ def parse_args(argv=None):
 
 
 def make_trainer(args, workdir: str, baseline: bool):
-    from tltjax.config import load_config
-    from tltjax.rl.trainer import Trainer
-
-    cfg = load_config(args.config, [f"--config.{kv}" for kv in args.set])
-    with cfg.unlocked():
-        cfg.workdir = workdir
-        cfg.rl.steps = args.steps
-        cfg.rl.baseline = baseline
-        cfg.rl.resume = False
-        cfg.rl.progress = False
-        cfg.rl.plots = False
-        cfg.rl.eval_prompts = 0
-        cfg.rl.checkpoint_every = args.steps + 1
-    return Trainer(cfg, log_fn=lambda *a: None)
+    return common.make_trainer(args.config, args.set, workdir, args.steps, {"rl.baseline": baseline})
 
 
 def main(argv=None):
@@ -60,19 +47,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"speculative": make_trainer(args, f"{tmp}/spec", False),
                 "baseline": make_trainer(args, f"{tmp}/base", True)}
-        for t in runs.values():
-            t.engine.warmup(t.sampling)
-        hist = {k: [] for k in runs}
-        for step in range(1, args.steps + 1):
-            for name, t in runs.items():
-                res = t.step(step)
-                hist[name].append({"step": step, **res.metrics})
-                m = res.metrics
-                print(f"step {step:3d} {name:11s}: {m['time/step']:6.2f} s (rollout {m['time/rollout']:6.2f} s, "
-                      f"accept {m['rollout/accept_length']:.2f}), reward {m['reward/mean']:.3f}, "
-                      f"length mean {m['response_length/mean']:.0f} max {m['response_length/max']:.0f}", flush=True)
-        for t in runs.values():
-            t.close()
+        hist = common.alternate_steps(runs, args.steps, lambda name, m: (
+            f"{m['time/step']:6.2f} s (rollout {m['time/rollout']:6.2f} s, accept {m['rollout/accept_length']:.2f}), "
+            f"reward {m['reward/mean']:.3f}, length mean {m['response_length/mean']:.0f} max "
+            f"{m['response_length/max']:.0f}"))
     timed = {k: [r for r in v if r["step"] > args.skip] or v for k, v in hist.items()}
     mean = lambda rows, key: float(statistics.fmean(r[key] for r in rows))  # noqa: E731
     summary = {}

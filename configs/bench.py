@@ -18,5 +18,7 @@ def get_config() -> ConfigDict:
     config.workdir = "runs/bench"
     config.model.num_hidden_layers = 12
     config.sft.steps = 600
+    config.drafter.num_sequences = 1024
     config.drafter.steps = 400
+    config.drafter.input_norm = True  # as measured; drafters for export use False
     return config

@@ -42,6 +42,7 @@ def get_config() -> ConfigDict:
     config.rl.reward_workers = 1
     config.rl.drafter_steps = 2
     config.rl.drafter_batch = 8
+    config.rl.buffer_tokens = 8192
     config.rl.logprob_check_rows = 4
     config.rl.eval_prompts = 16
     config.rl.checkpoint_every = 2

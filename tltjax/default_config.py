@@ -51,10 +51,10 @@ def get_config() -> ConfigDict:
     # Offline drafter training (job train_drafter; benchmarks use it too). Not part of the
     # tiny policy's cache key: changing these never retrains the policy.
     config.drafter = ConfigDict()
-    config.drafter.num_sequences = 1024  # task prompts, one sampled response each, to train on
+    config.drafter.num_sequences = 256  # task prompts, one sampled response each, to train on
     config.drafter.num_eval_sequences = 64  # other prompts' responses: held-out top-1 agreement
     config.drafter.temperature = 1.0  # sampling the responses; 0 is greedy
-    config.drafter.steps = 600
+    config.drafter.steps = 150
     config.drafter.batch_size = 16
     config.drafter.seq_len = 256  # tokens per sequence (prompt + response); longer ones are cut
     config.drafter.lr = 3e-3
@@ -62,21 +62,23 @@ def get_config() -> ConfigDict:
     config.drafter.ce_weight = 0.1  # weight of the cross-entropy against the policy's distribution
     config.drafter.feature_layers = ()  # target hidden layers read; empty: the final one (EAGLE-1)
     config.drafter.intermediate_size = 0  # 0: the target's
+    # False: no RMSNorm on the layer's input, as EAGLE-1 (SGLang / vLLM can load the exported drafter).
+    config.drafter.input_norm = False
 
     # The RL run (job rl): GRPO-family updates on rollouts of the engine below.
     config.rl = ConfigDict()
-    config.rl.algorithm = "grpo"  # grpo | drgrpo | dapo (see tltjax/rl/grpo.py ALGORITHMS)
-    config.rl.steps = 30
-    config.rl.prompts_per_step = 16
+    config.rl.algorithm = "dapo"  # grpo | drgrpo | dapo (see tltjax/rl/grpo.py ALGORITHMS)
+    config.rl.steps = 24
+    config.rl.prompts_per_step = 32
     config.rl.samples_per_prompt = 8
     config.rl.temperature = 1.0
     config.rl.top_p = 1.0
     config.rl.max_new_tokens = 320
-    config.rl.lr = 2e-4
+    config.rl.lr = 5e-4
     config.rl.warmup_steps = 2
     config.rl.weight_decay = 0.0
     config.rl.grad_clip = 1.0
-    config.rl.micro_batches = 2  # per update; must divide prompts_per_step * samples_per_prompt
+    config.rl.micro_batches = 4  # per update; must divide prompts_per_step * samples_per_prompt
     # Loss overrides of the algorithm's preset; 0 / "" keep the preset's value.
     config.rl.clip_low = 0.0
     config.rl.clip_high = 0.0
@@ -93,8 +95,12 @@ def get_config() -> ConfigDict:
     config.rl.answer_field = "answer"
     config.rl.baseline = False  # True: the same run without speculative decoding
     config.rl.drafter_init = "offline"  # offline (the train_drafter job's, cached) | scratch
-    config.rl.drafter_steps = 8  # online drafter updates per RL step, on that step's rollouts
-    config.rl.drafter_batch = 16
+    config.rl.drafter_steps = 2  # online drafter updates per RL step, on that step's rollouts
+    config.rl.drafter_batch = 16  # packed rows of drafter.seq_len entries per inline update
+    # Drafter data: the rollouts' own target features (no extra forward pass), in a ring buffer.
+    config.rl.buffer_tokens = 65536  # entries (token + feature) the ring holds
+    config.rl.buffer_steps = 4  # train on windows of the last N RL steps' rollouts
+    config.rl.drafter_window = 512  # longest training window (cut to drafter.seq_len, the packed row)
     config.rl.logprob_check_rows = 8  # rows whose log-probs are recomputed each step (mismatch logged)
     config.rl.eval_prompts = 128  # held-out prompts, greedy, at the start and the end (0: none)
     config.rl.checkpoint_every = 5
@@ -104,6 +110,14 @@ def get_config() -> ConfigDict:
     config.rl.wandb = False
     config.rl.plots = True
     config.rl.progress = True
+
+    # The controller (tltjax/controller): rollout replicas and spot drafter training on idle ones.
+    config.controller = ConfigDict()
+    config.controller.replica_size = 0  # devices per rollout replica; 0: one engine on the default device
+    config.controller.spot_training = True  # replicas that finish early train the drafter (needs >= 2)
+    config.controller.spot_rows_per_device = 4  # packed rows per training device and update
+    config.controller.spot_max_steps = 0  # most spot updates per RL step (0: as many as the tail allows)
+    config.controller.nice = 19  # scheduling priority of spot training (shared CPU cores); -1 keeps it
 
     # The rollout engine (tltjax/rollout/engine.py EngineConfig).
     config.rollout = ConfigDict()

@@ -2,7 +2,9 @@
 
 Properties of the loss and the update are shown on a tiny random target with
 random variable-length sequences; every test here shares one optimiser, so
-`drafter_update` compiles once for the module. Learning is shown on the micro
+`drafter_update` compiles once per batch type for the module. "Harvested"
+features are what the rollout engine returns: the target's features at every
+position but the last, here taken from `target_features`. Learning is shown on the micro
 config's tiny policy (trained by SFT in seconds into a module-private cache),
 by running the job through `tltjax.main` once and reading what it measured.
 """
@@ -14,6 +16,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -22,12 +25,16 @@ from tltjax import main, sft, tiny_policy
 from tltjax.config import ConfigError, load_config
 from tltjax.drafter import (
     Drafter,
+    DrafterBuffer,
     DrafterConfig,
     DrafterTrainState,
     drafter_loss,
     drafter_update,
     load_drafter,
     make_batch,
+    pack_windows,
+    shard_for_update,
+    target_features,
     train_drafter,
 )
 from tltjax.drafter import offline
@@ -39,7 +46,8 @@ CONFIG = ModelConfig(
 )
 SEQ = 32
 TX = sft.make_optimizer(1e-2, 40, 2)  # one optimiser object: one compilation of drafter_update for the module
-loss_jit = nnx.jit(drafter_loss, static_argnames=("ce_weight",))
+loss_jit = nnx.jit(drafter_loss, static_argnames=("ce_weight", "feat_weight", "unroll_steps"))
+FINAL = CONFIG.num_hidden_layers
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +62,30 @@ def sequences():
     return [list(rng.randint(0, CONFIG.vocab_size, size=rng.randint(3, 41))) for _ in range(24)]
 
 
-def _drafter(seed):
-    return random_module(Drafter, DrafterConfig.for_target(CONFIG), seed, 0.1)
+def _drafter(seed, feature_layers=None):
+    return random_module(Drafter, DrafterConfig.for_target(CONFIG, feature_layers), seed, 0.1)
+
+
+def _harvest(target, sequences, feature_layers):
+    """A `DrafterBuffer` (step 0) of ``sequences`` (cut to SEQ + 1 tokens) with the features a rollout returns.
+
+    Row t of a sequence's features is the target's feature at position t, for every position but the last;
+    final hidden states are added when the feature layers lack the final layer.
+    """
+    seqs = [list(s[: SEQ + 1]) for s in sequences]
+    ids = np.zeros((len(seqs), SEQ + 1), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    feats, hidden, _ = jax.device_get(target_features(target, ids, feature_layers))
+    buf = DrafterBuffer.for_drafter(DrafterConfig.for_target(CONFIG, feature_layers), FINAL, 2048)
+    for i, s in enumerate(seqs):
+        buf.add(0, s, feats[i, : len(s) - 1], None if buf.hidden is None else hidden[i, : len(s) - 1])
+    return buf, seqs
+
+
+def _whole(buf):
+    """Each live sequence of ``buf`` as one window."""
+    return [buf.window(s, 0, int(buf.seq_length[s])) for s in buf.live()]
 
 
 def _leaves(state):
@@ -133,6 +163,117 @@ def test_bad_training_arguments_are_clear_errors(target, sequences):
         train_drafter(target, dcfg, [[1], []], **kw)
     with pytest.raises(ValueError, match="ce_weight"):
         DrafterTrainState.create(_drafter(4), target, TX, ce_weight=-1.0)
+
+
+# ----------------------------------------------------------------------------- harvested features, packed rows
+@pytest.mark.parametrize("feature_layers", [(FINAL,), (1, FINAL), (1,)], ids=["eagle1", "with_final", "no_final"])
+def test_harvested_features_train_like_a_target_forward(target, sequences, feature_layers):
+    """The packed loss on harvested features equals the dense loss with a fresh target forward, term by term.
+
+    EAGLE-1 reads h from the features, (1, final) from the final layer's slot, (1,) from the stored hidden
+    array; the target's logits are its LM head on h either way. A sequence of L tokens gives L - 2
+    positions, as the dense batch of its first L - 1 tokens does (the last token has no feature).
+    """
+    drafter = _drafter(5, feature_layers)
+    buf, seqs = _harvest(target, sequences[:8], feature_layers)
+    assert (buf.hidden is None) == (FINAL in feature_layers)
+    packed = pack_windows(_whole(buf), 4, 2 * SEQ)
+    dense = make_batch(target, [s[:-1] for s in seqs], SEQ, feature_layers)
+    got = loss_jit(drafter, target, *packed.aligned(drafter.config, FINAL), **packed.layout())
+    want = loss_jit(drafter, target, *dense.aligned())
+    assert float(got[1]) == float(want[1]) == sum(len(s) - 2 for s in seqs)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-5)
+    for k in want[2]:
+        np.testing.assert_allclose(float(got[2][k]), float(want[2][k]), rtol=2e-5, atol=1e-5)
+
+
+def test_packed_update_compiles_once_and_learns_from_harvested_features(target, sequences):
+    """Twenty updates on fresh packed batches sampled from the buffer compile once and cut a held-out batch's loss."""
+    buf, _ = _harvest(target, sequences, (FINAL,))
+    rng = np.random.default_rng(0)
+    held_out = buf.sample_batch(rng, 8, SEQ, window=16)
+    state = DrafterTrainState.create(_drafter(6), target, TX)
+    tparams = nnx.state(target)
+    before = loss_jit(state.drafter(), target, *held_out.aligned(state.drafter().config, FINAL), **held_out.layout())
+    compiled = drafter_update._cache_size()
+    for _ in range(20):
+        state, metrics = drafter_update(state, tparams, buf.sample_batch(rng, 8, SEQ, window=16))
+    assert drafter_update._cache_size() == compiled + 1
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["positions"]) > 8 * (SEQ - 4)
+    after = loss_jit(state.drafter(), target, *held_out.aligned(state.drafter().config, FINAL), **held_out.layout())
+    assert float(after[0]) < 0.75 * float(before[0]), (float(before[0]), float(after[0]))
+
+
+def test_loss_weights_feature_and_token_terms(target, sequences):
+    """loss = feat_weight · reg + ce_weight · ce over the same sums; the defaults (1, 0.1) keep the old loss."""
+    drafter = _drafter(7)
+    inputs = make_batch(target, sequences[:8], SEQ, (FINAL,)).aligned()
+    loss, _, sums = loss_jit(drafter, target, *inputs)
+    np.testing.assert_allclose(float(loss), float(sums["reg"] + 0.1 * sums["ce"]), rtol=1e-6)
+    loss2, _, sums2 = loss_jit(drafter, target, *inputs, feat_weight=0.25, ce_weight=2.0)
+    np.testing.assert_allclose(float(loss2), float(0.25 * sums2["reg"] + 2.0 * sums2["ce"]), rtol=1e-6)
+    assert float(sums2["reg"]) == float(sums["reg"])
+
+
+def test_unrolled_training_time_test(target, sequences):
+    """unroll_steps=1 is the plain loss bit for bit; k=2 adds a step on the drafter's own predictions.
+
+    k=2 counts each position whose predecessor also counted once more, gives a different loss, and
+    its gradient (taken through the fed-back predictions inside drafter_update) is finite and non-zero.
+    """
+    drafter = _drafter(8)
+    buf, seqs = _harvest(target, sequences[:8], (FINAL,))
+    packed = pack_windows(_whole(buf), 4, 2 * SEQ)
+    inputs, layout = packed.aligned(drafter.config, FINAL), packed.layout()
+    plain = jax.device_get(loss_jit(drafter, target, *inputs, **layout))
+    one = jax.device_get(loss_jit(drafter, target, *inputs, unroll_steps=1, **layout))
+    two = jax.device_get(loss_jit(drafter, target, *inputs, unroll_steps=2, **layout))
+    np.testing.assert_array_equal(plain[0], one[0])
+    assert all(np.array_equal(plain[2][k], one[2][k]) for k in plain[2])
+    assert float(two[1]) == float(plain[1]) + sum(len(s) - 3 for s in seqs)
+    step2 = float(two[0]) - float(plain[0])  # the second step's loss sum alone
+    assert step2 > 0 and not np.isclose(step2 / (float(two[1]) - float(plain[1])), float(plain[0] / plain[1]))
+
+    state = DrafterTrainState.create(drafter, target, TX, unroll_steps=2)
+    state, metrics = drafter_update(state, nnx.state(target), packed)
+    assert float(metrics["positions"]) == float(two[1])
+    np.testing.assert_allclose(float(metrics["loss"]), float(two[0] / two[1]), rtol=1e-5)
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_data_parallel_update_equals_the_single_device_update(target, sequences):
+    """drafter_update on a batch sharded over a 1-D mesh of 4 devices (state replicated) matches one device to ~1e-5."""
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
+    buf, _ = _harvest(target, sequences, (FINAL,))
+    batch = buf.sample_batch(np.random.default_rng(1), 8, SEQ, window=16)
+    tx = optax.sgd(0.5)  # a plain step: parameter differences are gradient differences
+    state = DrafterTrainState.create(_drafter(9), target, tx)
+    tparams = nnx.state(target)
+    one, m_one = jax.device_get(drafter_update(jax.tree.map(jnp.copy, state), tparams, batch))
+    dp_state, dp_tparams, dp_batch = shard_for_update(mesh, jax.tree.map(jnp.copy, state), tparams, batch)
+    assert dp_batch.ids.sharding.num_devices == 4 and dp_batch.ids.addressable_shards[0].data.shape == (2, SEQ)
+    many, m_many = drafter_update(dp_state, dp_tparams, dp_batch)
+    assert all(x.sharding.num_devices == 4 for x in jax.tree.leaves(many.params))  # replicated on the mesh
+    many, m_many = jax.device_get((many, m_many))
+    for k in m_one:
+        np.testing.assert_allclose(m_many[k], m_one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(_leaves(one.params), _leaves(many.params)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert any(not np.array_equal(a, b) for a, b in zip(_leaves(state.params), _leaves(one.params)))
+    with pytest.raises(ValueError, match="6 rows cannot be split over the 4 devices"):
+        shard_for_update(mesh, state, tparams, buf.sample_batch(0, 6, SEQ))
+
+
+def test_bad_harvested_training_settings_are_clear_errors(target, sequences):
+    buf, _ = _harvest(target, sequences[:2], (FINAL,))
+    packed = pack_windows(_whole(buf), 2, SEQ)
+    with pytest.raises(ValueError, match=r"feature_layers \(1,\) do not include the final layer 2"):
+        packed.aligned(DrafterConfig.for_target(CONFIG, (1,)), FINAL)
+    with pytest.raises(ValueError, match="feat_weight must be >= 0.*unroll_steps must be an integer >= 1"):
+        DrafterTrainState.create(_drafter(4), target, TX, feat_weight=-1.0, unroll_steps=0)
 
 
 def test_drafter_settings_do_not_change_the_tiny_policy():

@@ -73,6 +73,31 @@ def test_rl_smoke_run_logs_every_step_checkpoints_and_plots(tmp_path, cache_dir)
     assert Checkpointer(tmp_path / "run" / "checkpoints").all_steps() == [2, 4]  # keep_checkpoints=2
 
 
+@pytest.mark.slow
+def test_replicas_with_spot_training_on_eight_devices(tmp_path, cache_dir):
+    """controller.replica_size=4 on 8 virtual devices: two tensor-parallel replicas decode each step, the
+    one that finishes first trains the drafter (logged transitions and spot updates), training stops with
+    the rollout, and the loop's metrics stay sane: the rollout's log-probs are still the policy's."""
+    from tltjax.rl.trainer import Trainer
+
+    cfg = micro_config(tmp_path / "ctl", cache_dir, "--config.rl.steps=2", "--config.controller.replica_size=4",
+                       "--config.rl.eval_prompts=0", "--config.rl.plots=false", "--config.rollout.max_batch=8",
+                       "--config.rollout.spec_threshold=0")
+    Trainer(cfg, log_fn=lambda *a: None).run()
+    rows = read(tmp_path / "ctl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["logprob/mismatch_max"] < 5e-4 and r["drafter/buffer_entries"] > 0
+        assert r["controller/idle_device_seconds_spot"] <= r["controller/idle_device_seconds"]
+    assert sum(r["spot/steps"] for r in rows) > 0  # some idle devices trained
+    trans = [json.loads(line) for line in (tmp_path / "ctl" / "controller.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        mine = [t for t in trans if t["step"] == step]
+        assert sorted({t["replica"] for t in mine}) == [0, 1]
+        assert sum(t["dst"] == "draft_train" for t in mine) == 1  # the replica that finished first trained
+        assert sum(t["dst"] == "rollout" for t in mine) == 2  # both back at the step boundary
+
+
 def test_baseline_switch_never_speculates(tmp_path, cache_dir):
     """rl.baseline=True runs the same loop with plain decoding only."""
     from tltjax.rl.trainer import Trainer
@@ -144,3 +169,15 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_metrics(tmp_path, c
         for k in a:
             if not k.startswith(TIMING):
                 assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k, a[k], b[k])
+
+
+def test_update_rows_hold_the_kept_rows_in_few_shapes():
+    """The update batch is the smallest of total/4, /2, /1 rows that holds the kept rows and splits into
+    the micro-batches: dropped groups cost nothing, and there are at most three row shapes."""
+    from tltjax.rl.trainer import update_rows
+
+    assert update_rows(0, 256, 4) == 64 and update_rows(64, 256, 4) == 64 and update_rows(65, 256, 4) == 128
+    assert update_rows(129, 256, 4) == 256 and update_rows(256, 256, 4) == 256
+    assert update_rows(3, 16, 8) == 8  # 16 / 4 = 4 rows would not split into 8 micro-batches
+    assert update_rows(5, 6, 1) == 6  # 6 rows have no quarter: halves, then the whole
+    assert {update_rows(k, 256, 4) for k in range(257)} == {64, 128, 256}

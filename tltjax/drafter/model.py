@@ -60,6 +60,10 @@ class DrafterConfig:
     ``feature_layers`` index the target's hidden states as `CausalLM` does
     (``num_hidden_layers`` = the final normed state); their concatenation is the
     input feature of width ``hidden_size * len(feature_layers)``.
+
+    ``input_norm=False`` drops the layer's input RMSNorm, so attention reads
+    ``fc``'s output as is: EAGLE-1's draft layer, the one SGLang and vLLM build
+    when they load an EAGLE checkpoint (`tltjax.drafter.export` needs it).
     """
 
     hidden_size: int
@@ -73,6 +77,7 @@ class DrafterConfig:
     rope_scaling: RopeScaling = RopeScaling()
     attention_bias: bool = False
     qk_norm: bool = False
+    input_norm: bool = True
     param_dtype: str = "float32"
     dtype: str = "float32"
 
@@ -199,6 +204,20 @@ def pair_inputs(
     return ids[:, 1:], features[:, :-1]
 
 
+def feature_from_hidden(h: Float[Array, "... hidden"], feature_size: int) -> Float[Array, "... feature"]:
+    """The feature a drafted position gets from a predicted final hidden state ``h``.
+
+    EAGLE-1 (``feature_size == hidden``): ``h`` itself. With several feature layers
+    (``feature_size = hidden · k``) ``h`` fills every layer's slot, as the EAGLE
+    drafting loop does; unrolled training (``unroll_steps > 1``) feeds back the same.
+    """
+    hidden = h.shape[-1]
+    if feature_size % hidden:
+        raise ValueError(f"feature_size {feature_size} is not a multiple of the hidden size {hidden}")
+    reps = feature_size // hidden
+    return h if reps == 1 else jnp.concatenate([h] * reps, axis=-1)
+
+
 class Drafter(nnx.Module):
     """``layers[0](fc(concat(embed(x_{t+1}), f_t)))``: one decoder layer predicting ``h_{t+1}``.
 
@@ -212,7 +231,7 @@ class Drafter(nnx.Module):
         self.config = config
         lc = config.layer_config
         self.fc = Linear(lc, config.hidden_size + config.feature_size, config.hidden_size, ("embed", None), True, rngs)
-        self.layers = nnx.List([DecoderLayer(lc, rngs)])
+        self.layers = nnx.List([DecoderLayer(lc, rngs, input_norm=config.input_norm)])
 
     def __call__(
         self,

@@ -64,6 +64,7 @@ def drafter_config(cfg: ConfigDict, target: CausalLM) -> DrafterConfig:
     d = cfg.drafter
     layers = tuple(d.feature_layers) or None
     overrides = {"intermediate_size": int(d.intermediate_size)} if d.intermediate_size else {}
+    overrides["input_norm"] = bool(d.input_norm)
     try:
         return DrafterConfig.for_target(target.config, layers, **overrides)
     except ValueError as e:

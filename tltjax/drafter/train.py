@@ -11,10 +11,27 @@ from the target model run on the same sequence:
   labels from the policy itself, not the sampled token: the drafter learns to
   agree with the policy, which is what speculative acceptance rewards.
 
-Batches (`DrafterBatch`) hold whole target sequences with what the target
-computed at each position; `DrafterBatch.aligned` pairs them for the drafter.
+Two kinds of batch feed the one update step:
+
+- `DrafterBatch`: whole sequences with what a target forward pass computed at
+  each position (`make_batch` runs that pass; offline training).
+- `tltjax.drafter.packing.PackedDrafterBatch`: windows of the features the
+  rollout itself harvested (`tltjax.drafter.buffer.DrafterBuffer`), packed
+  several to a row; no target forward at all. ``h_{t+1}`` is stored (or is a
+  slot of the features) and the target's logits are its live LM head applied to
+  ``h_{t+1}`` inside the jitted step. Attention and RoPE positions stay inside
+  each window (``segment_ids``, ``positions``).
+
 Losses are sums over valid positions with their count, so micro-batches add up
-exactly.
+exactly. The loss per position is ``feat_weight`` × smooth L1 + ``ce_weight`` ×
+cross-entropy. With ``unroll_steps = k > 1`` (EAGLE-3's "training-time test")
+the drafter is run k times, each time on its own previous predictions as
+features, and the k losses add up (see `drafter_loss`).
+
+Data parallel. `drafter_update` is an ordinary jitted function: give it a batch
+sharded over the rows on any mesh and replicated state (`shard_for_update`), and
+XLA splits the work and all-reduces the gradients; the result equals the
+single-device step up to float rounding.
 
 Live target. `drafter_update` takes the target's parameters as an argument, not
 as a captured constant: the drafter reads the target's embedding and LM head,
@@ -32,10 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from tltjax import sft
-from tltjax.drafter.model import Drafter, DrafterConfig, pair_inputs
+from tltjax.data import segment_mask
+from tltjax.drafter.model import Drafter, DrafterConfig, feature_from_hidden, pair_inputs
+from tltjax.drafter.packing import PackedDrafterBatch
 from tltjax.models.transformer import CausalLM
 
 METRICS = ("reg", "ce", "top1")  # per-position metric sums that `drafter_loss` returns
@@ -81,34 +101,77 @@ def drafter_loss(
     tokens: Int[Array, "batch seq"],
     features: Float[Array, "batch seq feature"],
     target_hidden: Float[Array, "batch seq hidden"],
-    target_logits: Float[Array, "batch seq vocab"],
+    target_logits: Float[Array, "batch seq vocab"] | None,
     mask: Bool[Array, "batch seq"],
     *,
     ce_weight: float = 0.1,
+    feat_weight: float = 1.0,
+    positions: Int[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    unroll_steps: int = 1,
 ) -> tuple[Float[Array, ""], Float[Array, ""], dict[str, Float[Array, ""]]]:
     """(loss sum, valid-position count, metric sums) of the drafter on aligned inputs.
 
-    Inputs at drafter position ``t``, as `DrafterBatch.aligned` returns them:
-    token ``x_{t+1}``, feature ``f_t``, the target's ``h_{t+1}`` and logits
-    ``z_{t+1}``, and whether ``t`` counts. Loss per position: smooth L1 of the
-    drafter's hidden output against ``h_{t+1}`` (mean over the hidden axis) plus
-    ``ce_weight`` × cross-entropy of its logits against ``softmax(z_{t+1})``.
-    Metric sums: ``reg`` and ``ce`` (those two terms) and ``top1`` (positions where
-    the drafter's argmax equals the target's: the acceptance proxy). Everything
-    is summed over valid positions, so sums over micro-batches equal the sum
-    over their union; divide by the count for means. The target's outputs get
-    no gradient.
+    Inputs at drafter position ``t``, as `DrafterBatch.aligned` or
+    `PackedDrafterBatch.aligned` return them: token ``x_{t+1}``, feature ``f_t``,
+    the target's ``h_{t+1}`` and logits ``z_{t+1}`` (None: the target's LM head
+    on ``h_{t+1}``), and whether ``t`` counts. Loss per position:
+    ``feat_weight`` × smooth L1 of the drafter's hidden output against ``h_{t+1}``
+    (mean over the hidden axis) plus ``ce_weight`` × cross-entropy of its logits
+    against ``softmax(z_{t+1})``. Metric sums: ``reg`` and ``ce`` (the unweighted
+    terms) and ``top1`` (positions where the drafter's argmax equals the
+    target's: the acceptance proxy). Everything is summed over valid positions,
+    so sums over micro-batches equal the sum over their union; divide by the
+    count for means. The target's outputs get no gradient.
+
+    Packed rows: ``segment_ids`` (0 = padding) restrict attention to causal *and*
+    same segment (`tltjax.data.segment_mask`, as packed SFT), and ``positions``
+    are the RoPE positions (default 0..seq-1).
+
+    ``unroll_steps = k > 1``: after step 0 (the plain loss), step ``j`` feeds
+    the drafter, at position ``t``, its own step ``j - 1`` prediction from
+    ``t - 1`` (a prediction of ``h_t``, as `feature_from_hidden`) in place of
+    ``f_t``, with the same tokens and targets; where ``t - 1`` lies in another
+    segment (or ``t = 0``) the true ``f_t`` stays. Position ``t`` counts at step
+    ``j`` if it counts at step 0 and ``t - 1`` counted at step ``j - 1``. The k
+    sums and counts add up; gradients flow through the fed-back predictions.
     """
-    out = drafter(target, tokens, features)
-    m = mask.astype(jnp.float32)
-    hidden = out.hidden.astype(jnp.float32)
-    target_hidden = jax.lax.stop_gradient(target_hidden).astype(jnp.float32)
+    if unroll_steps < 1:
+        raise ValueError(f"unroll_steps={unroll_steps} must be >= 1")
+    b, t = tokens.shape
+    attention = None if segment_ids is None else segment_mask(segment_ids)
+    target_hidden = jax.lax.stop_gradient(target_hidden)
+    if target_logits is None:
+        target_logits = target.logits_from_hidden(target_hidden.astype(target.config.jnp_dtype))
     target_logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
-    reg = optax.losses.huber_loss(hidden, target_hidden, delta=1.0).mean(-1)  # smooth L1 (beta 1)
-    ce = optax.losses.softmax_cross_entropy(out.logits, jax.nn.softmax(target_logits, axis=-1))
-    top1 = (jnp.argmax(out.logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
-    loss = jnp.sum(m * (reg + ce_weight * ce))
-    return loss, jnp.sum(m), {"reg": jnp.sum(m * reg), "ce": jnp.sum(m * ce), "top1": jnp.sum(m * top1)}
+    target_hidden = target_hidden.astype(jnp.float32)
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    target_top1 = jnp.argmax(target_logits, -1)
+    if segment_ids is None:
+        has_prev = jnp.broadcast_to(jnp.arange(t) >= 1, (b, t))
+    else:
+        same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+        has_prev = jnp.concatenate([jnp.zeros((b, 1), bool), same], axis=1)
+
+    loss = count = jnp.zeros((), jnp.float32)
+    sums = {k: jnp.zeros((), jnp.float32) for k in METRICS}
+    step_features, step_valid = features, mask
+    for step in range(unroll_steps):
+        out = drafter(target, tokens, step_features, positions=positions, mask=attention)
+        m = step_valid.astype(jnp.float32)
+        reg = optax.losses.huber_loss(out.hidden.astype(jnp.float32), target_hidden, delta=1.0).mean(-1)  # smooth L1
+        ce = optax.losses.softmax_cross_entropy(out.logits, target_probs)
+        top1 = (jnp.argmax(out.logits, -1) == target_top1).astype(jnp.float32)
+        loss = loss + jnp.sum(m * (feat_weight * reg + ce_weight * ce))
+        count = count + jnp.sum(m)
+        for k, v in (("reg", reg), ("ce", ce), ("top1", top1)):
+            sums[k] = sums[k] + jnp.sum(m * v)
+        if step + 1 < unroll_steps:
+            fed = feature_from_hidden(out.hidden, features.shape[-1]).astype(features.dtype)
+            fed = jnp.concatenate([jnp.zeros_like(fed[:, :1]), fed[:, :-1]], axis=1)  # prediction from t-1 at t
+            step_features = jnp.where(has_prev[..., None], fed, features)
+            step_valid = mask & jnp.concatenate([jnp.zeros((b, 1), bool), step_valid[:, :-1]], axis=1)
+    return loss, count, sums
 
 
 @struct.dataclass
@@ -116,21 +179,31 @@ class DrafterTrainState:
     """Everything `drafter_update` reads and writes.
 
     ``params`` and ``opt_state`` are the drafter's; the graph definitions of the
-    drafter and of its target, the optimiser ``tx`` and ``ce_weight`` are static.
-    The target's parameters are not part of the state: each update takes them.
+    drafter and of its target, the optimiser ``tx`` and the loss settings
+    (``ce_weight``, ``feat_weight``, ``unroll_steps``; see `drafter_loss`) are
+    static. The target's parameters are not part of the state: each update takes them.
     """
 
     graphdef: Any = struct.field(pytree_node=False)
     target_graphdef: Any = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     ce_weight: float = struct.field(pytree_node=False)
+    feat_weight: float = struct.field(pytree_node=False)
+    unroll_steps: int = struct.field(pytree_node=False)
     params: nnx.State
     opt_state: optax.OptState
     step: Int[Array, ""]
 
     @classmethod
     def create(
-        cls, drafter: Drafter, target: CausalLM, tx: optax.GradientTransformation, *, ce_weight: float = 0.1
+        cls,
+        drafter: Drafter,
+        target: CausalLM,
+        tx: optax.GradientTransformation,
+        *,
+        ce_weight: float = 0.1,
+        feat_weight: float = 1.0,
+        unroll_steps: int = 1,
     ) -> "DrafterTrainState":
         """A fresh state for training ``drafter`` against ``target``.
 
@@ -138,8 +211,18 @@ class DrafterTrainState:
         ``drafter`` stays usable.
         """
         drafter.config.check_target(target.config)
-        if not ce_weight >= 0:
-            raise ValueError(f"ce_weight must be >= 0, got {ce_weight}")
+        problems = [
+            msg
+            for bad, msg in (
+                (not ce_weight >= 0, f"ce_weight must be >= 0, got {ce_weight}"),
+                (not feat_weight >= 0, f"feat_weight must be >= 0, got {feat_weight}"),
+                (int(unroll_steps) != unroll_steps or unroll_steps < 1,
+                 f"unroll_steps must be an integer >= 1 (1 = off), got {unroll_steps}"),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError("DrafterTrainState: " + "; ".join(problems))
         graphdef, params = nnx.split(drafter, nnx.Param)
         params = jax.tree.map(jnp.copy, params)
         return cls(
@@ -147,6 +230,8 @@ class DrafterTrainState:
             target_graphdef=nnx.graphdef(target),
             tx=tx,
             ce_weight=float(ce_weight),
+            feat_weight=float(feat_weight),
+            unroll_steps=int(unroll_steps),
             params=params,
             opt_state=tx.init(params),
             step=jnp.zeros((), jnp.int32),
@@ -159,21 +244,30 @@ class DrafterTrainState:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def drafter_update(
-    state: DrafterTrainState, target_params: nnx.State, batch: DrafterBatch
+    state: DrafterTrainState, target_params: nnx.State, batch: DrafterBatch | PackedDrafterBatch
 ) -> tuple[DrafterTrainState, dict[str, Float[Array, ""]]]:
     """One optimiser step of the drafter on the mean loss over ``batch``'s valid positions.
 
-    ``target_params`` is ``nnx.state(target)`` of the current policy: an input of
-    the compiled step, so a new policy reuses it (one compilation per batch
-    shape), and never differentiated, so the target is not updated. ``state`` is
-    donated. Metrics are means over valid positions, plus ``positions`` and
-    ``grad_norm``.
+    ``batch`` is a `DrafterBatch` (target outputs computed by `make_batch`) or a
+    `PackedDrafterBatch` of harvested features (target logits from the live LM
+    head on ``h``; attention within windows). ``target_params`` is
+    ``nnx.state(target)`` of the current policy: an input of the compiled step,
+    so a new policy reuses it (one compilation per batch type and shape), and
+    never differentiated, so the target is not updated. ``state`` is donated.
+    Sharded inputs (`shard_for_update`) make it a data-parallel step. Metrics are
+    means over valid positions (summed over unrolled steps), plus ``positions``
+    and ``grad_norm``.
     """
     target = nnx.merge(state.target_graphdef, jax.lax.stop_gradient(target_params))
-    inputs = batch.aligned()
+    if isinstance(batch, PackedDrafterBatch):
+        config = nnx.merge(state.graphdef, state.params).config
+        inputs, layout = batch.aligned(config, target.config.num_hidden_layers), batch.layout()
+    else:
+        inputs, layout = batch.aligned(), {}
+    settings = dict(ce_weight=state.ce_weight, feat_weight=state.feat_weight, unroll_steps=state.unroll_steps)
 
     def loss_fn(params):
-        total, count, sums = drafter_loss(nnx.merge(state.graphdef, params), target, *inputs, ce_weight=state.ce_weight)
+        total, count, sums = drafter_loss(nnx.merge(state.graphdef, params), target, *inputs, **settings, **layout)
         return total / jnp.maximum(count, 1.0), (count, sums)
 
     (loss, (count, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -183,6 +277,31 @@ def drafter_update(
     metrics = {"loss": loss, "positions": count, "grad_norm": optax.tree.norm(grads)}
     metrics.update({k: v / n for k, v in sums.items()})
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def shard_for_update(
+    mesh: Mesh, state: DrafterTrainState, target_params: nnx.State, batch: DrafterBatch | PackedDrafterBatch
+) -> tuple[DrafterTrainState, nnx.State, DrafterBatch | PackedDrafterBatch]:
+    """(state, target params, batch) placed for a data-parallel `drafter_update` on ``mesh``.
+
+    The batch's rows are split over all of the mesh's devices (every axis, e.g. a
+    1-D ``("data",)`` mesh of the idle devices); the drafter state and the
+    target's parameters are replicated. Raises ``ValueError`` unless the row
+    count is a multiple of the device count.
+    """
+    rows = batch.ids.shape[0]
+    if rows % mesh.size:
+        raise ValueError(
+            f"a batch of {rows} rows cannot be split over the {mesh.size} devices of the mesh; "
+            f"use a multiple of {mesh.size} rows"
+        )
+    rows_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    replicated = NamedSharding(mesh, P())
+    return (
+        jax.device_put(state, replicated),
+        jax.device_put(target_params, replicated),
+        jax.tree.map(lambda x: jax.device_put(x, rows_sharding), batch),
+    )
 
 
 @functools.partial(nnx.jit, static_argnames=("feature_layers",))

@@ -159,14 +159,18 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs):
+    """Pre-norm attention and MLP blocks. ``input_norm=False`` drops the attention's input
+    norm (attention reads the residual stream as is), as EAGLE-1's first draft layer does."""
+
+    def __init__(self, cfg: ModelConfig, rngs, *, input_norm: bool = True):
         self.self_attn = Attention(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
-        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
         self.post_attention_layernorm = RMSNorm(cfg, cfg.hidden_size, cfg.rms_norm_eps)
 
     def __call__(self, x, positions, inv_freq, mask, cache, layer: int):
-        a, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache, layer)
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        a, cache = self.self_attn(h, positions, inv_freq, mask, cache, layer)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "seq", "act_embed")), cache

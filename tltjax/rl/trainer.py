@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,7 @@ from ml_collections import ConfigDict
 
 from tltjax import sft, tiny_policy
 from tltjax.config import ConfigError
+from tltjax.controller import controller as controller_lib
 from tltjax.rl import datasets as datasets_lib
 from tltjax.rl import grpo
 from tltjax.rl import reward_pool
@@ -57,6 +59,16 @@ def update_width(lengths: list[int], buckets: tuple[int, ...]) -> int:
         if w >= longest:
             return int(w)
     return int(max(buckets))
+
+
+def update_rows(kept: int, total: int, micro_batches: int) -> int:
+    """Rows of the update batch for ``kept`` rows that count out of ``total``: the smallest of
+    ``total`` / 4, / 2, / 1 that holds them and splits into ``micro_batches`` (few shapes, few compilations)."""
+    for frac in (4, 2):
+        rows = total // frac
+        if rows >= max(kept, 1) and rows % micro_batches == 0 and total % frac == 0:
+            return rows
+    return total
 
 
 def build_batch(
@@ -158,9 +170,16 @@ class Trainer:
                                    policy.config)
         else:
             drafter = Drafter(offline.drafter_config(config, policy), rngs=nnx.Rngs(config.seed))
-        dtx = sft.make_optimizer(config.drafter.lr, max(rl.steps * rl.drafter_steps, 1), 0,
-                                 0.0, 1.0)
+        ctl = config.controller
+        updates_per_step = max(rl.drafter_steps, ctl.spot_max_steps or 64)
+        dtx = sft.make_optimizer(config.drafter.lr, max(rl.steps * updates_per_step, 1), 0, 0.0, 1.0)
         self.drafter_state = DrafterTrainState.create(drafter, policy, dtx, ce_weight=config.drafter.ce_weight)
+        self.train_drafter = not rl.baseline  # the baseline is the system without speculation or drafter
+        from tltjax.drafter.buffer import DrafterBuffer
+
+        self.buffer = DrafterBuffer.for_drafter(drafter.config, policy.config.num_hidden_layers, rl.buffer_tokens)
+        self.buffer_lock = threading.Lock()  # replicas add while the spot trainer samples
+        self.drafter_row_len = int(config.drafter.seq_len)
 
         # ---- engine
         from tltjax.rollout.engine import Engine, EngineConfig
@@ -173,7 +192,11 @@ class Trainer:
             prefill_batch=r.prefill_batch, prefill_lengths=tuple(n for n in r.prefill_lengths if n <= self.max_seq_len),
             max_group=rl.samples_per_prompt,
         )
-        self.engine = Engine(policy, self.engine_config, drafter)
+        self.controller = None
+        if ctl.replica_size:
+            self.engine, self.controller = None, self._make_controller(policy, drafter)
+        else:
+            self.engine = Engine(policy, self.engine_config, drafter)
 
         # ---- checkpoints, metrics
         self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", keep=rl.keep_checkpoints)
@@ -195,7 +218,8 @@ class Trainer:
     def _ckpt_state(self) -> dict:
         s, d = self.state, self.drafter_state
         return {"policy": {"params": s.params, "opt_state": s.opt_state, "step": s.step},
-                "drafter": {"params": d.params, "opt_state": d.opt_state, "step": d.step}}
+                "drafter": {"params": d.params, "opt_state": d.opt_state, "step": d.step},
+                "buffer": self.buffer.state_dict(copy=False)}
 
     def _save(self, step: int) -> None:
         host = {"step": step, "sampler": self.sampler.state(), "policy_dir": str(self.policy_dir),
@@ -207,13 +231,58 @@ class Trainer:
         state, host = self.checkpointer.restore(step, target=self._ckpt_state())
         self.state = self.state.replace(**state["policy"])
         self.drafter_state = self.drafter_state.replace(**state["drafter"])
+        self.buffer = type(self.buffer).from_state_dict({k: np.asarray(v) for k, v in state["buffer"].items()})
         self.sampler.restore(host["sampler"])
         self.start_step = int(host["step"])
         self._sync_engine()
         self.log(f"rl: resumed from the checkpoint of step {self.start_step} in {self.checkpointer.directory}")
 
     def _sync_engine(self) -> None:
-        self.engine.set_params(target=self.state.model(), drafter=self.drafter_state.drafter())
+        target, drafter = self.state.model(), self.drafter_state.drafter()
+        for engine in self._engines():
+            engine.set_params(target=target, drafter=drafter)
+
+    def warmup(self) -> None:
+        """Compiles every rollout program of every engine now (the first step would otherwise)."""
+        for engine in self._engines():
+            engine.warmup(self.sampling, with_features=self.train_drafter)
+
+    def _engines(self) -> list:
+        return self.controller.engines if self.controller is not None else [self.engine]
+
+    def _make_controller(self, policy, drafter):
+        """Rollout replicas over this host's devices, and a spot trainer when there are several."""
+        from tltjax.controller import partition_devices
+        from tltjax.controller.controller import Controller
+        from tltjax.controller.spot import SpotTrainer
+        from tltjax.drafter.train import drafter_update
+        from tltjax.rollout.engine import Engine
+
+        ctl = self.config.controller
+        replicas = partition_devices(jax.local_devices(), ctl.replica_size)
+        engines = [Engine(policy, self.engine_config, drafter, mesh=r.mesh) for r in replicas]
+        spot = None
+        if ctl.spot_training and len(replicas) > 1 and self.train_drafter:
+            spot = SpotTrainer(drafter_update, self._sample_drafter_batch, rows_per_device=ctl.spot_rows_per_device,
+                               seed=self.config.seed + 2, nice=None if ctl.nice < 0 else ctl.nice,
+                               max_steps=ctl.spot_max_steps or None)
+        self.log(f"rl: {len(replicas)} rollout replicas of {ctl.replica_size} device(s)"
+                 + (", idle ones train the drafter" if spot else ""))
+        return Controller(replicas, engines, spot=spot)
+
+    def _harvest(self, step: int, seqs) -> None:
+        """The rollout's target features go to the drafter buffer (no forward pass of their own)."""
+        if self.train_drafter:
+            with self.buffer_lock:
+                self.buffer.extend(step, seqs)
+
+    def _sample_drafter_batch(self, rng, rows: int):
+        """A packed batch of windows from the last ``rl.buffer_steps`` steps, or None while the buffer is empty."""
+        with self.buffer_lock:
+            if len(self.buffer) < 2:
+                return None
+            return self.buffer.sample_batch(rng, rows, self.drafter_row_len, window=self.rl.drafter_window,
+                                            last_steps=self.rl.buffer_steps, pad_id=self.pad_id)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float:
@@ -238,11 +307,26 @@ class Trainer:
             text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
             self.rewards.submit(s.prompt_index * n + s.sample_index, text, answers[s.prompt_index])
 
-        seqs, stats = self.engine.generate(
-            prompts, n=n, sampling=self.sampling, max_new_tokens=rl.max_new_tokens, stop_ids=(self.eos_id,),
-            seed=hash_seed(self.config.seed, step), strategy="auto" if self.speculate else None,
-            on_finish=on_finish, progress=progress,
-        )
+        gen = dict(sampling=self.sampling, max_new_tokens=rl.max_new_tokens, stop_ids=(self.eos_id,),
+                   seed=hash_seed(self.config.seed, step), strategy="auto" if self.speculate else None,
+                   on_finish=on_finish, return_features=self.train_drafter)
+        rollout_params = nnx.state(self.state.model()) if self.train_drafter else None  # what produced the features
+        ctl_metrics: dict[str, float] = {}
+        if self.controller is None:
+            seqs, stats = self.engine.generate(prompts, n=n, progress=progress, **gen)
+            self._harvest(step, seqs)
+        else:
+            spot = self.controller.spot is not None
+            res = self.controller.rollout(
+                step, prompts, n=n, drafter_state=self.drafter_state if spot else None,
+                target_params=rollout_params if spot else None, on_replica_done=lambda r, seqs: self._harvest(step, seqs),
+                **gen)
+            seqs, stats = res.sequences, controller_lib.merge_stats(res.stats, res.wall)
+            ctl_metrics = res.metrics()
+            if spot:
+                self.drafter_state = res.drafter_state
+            with open(self.workdir / "controller.jsonl", "a") as f:  # every transition of the replicas
+                f.writelines(json.dumps(t.to_dict()) + "\n" for t in self.controller.log.for_step(step))
         t0 = time.perf_counter()
         results = self.rewards.results()
         t_reward = time.perf_counter() - t0
@@ -253,8 +337,16 @@ class Trainer:
         adv = np.asarray(grpo.get_advantage_estimator(self.loss_cfg.advantage)(jnp.asarray(rewards)))
         zero_var = np.asarray(grpo.zero_variance_groups(jnp.asarray(rewards)))
         keep = np.repeat(~zero_var if self.loss_cfg.dynamic_sampling else np.ones_like(zero_var), n)
-        width = update_width([len(s.prompt) + len(s.tokens) for s in seqs], self.update_lengths)
-        batch = build_batch(seqs, adv.reshape(-1), keep, width, self.pad_id)
+        # Rows that count go to the update; rows of dropped groups do not (they would add nothing but
+        # cost), padded up to a row bucket with empty rows so that shapes stay few.
+        sel = np.flatnonzero(keep)
+        rows = update_rows(len(sel), len(seqs), rl.micro_batches)
+        pick = list(sel) + [0] * (rows - len(sel))
+        upd_seqs = [seqs[i] for i in pick]
+        upd_keep = np.arange(rows) < len(sel)
+        width = update_width([len(s.prompt) + len(s.tokens) for s in upd_seqs[: max(len(sel), 1)]],
+                             self.update_lengths)
+        batch = build_batch(upd_seqs, adv.reshape(-1)[pick] * upd_keep, upd_keep, width, self.pad_id)
         if self.ref_params is not None:
             ref = grpo.compute_logprobs(self.state.graphdef, self.ref_params, batch.tokens,
                                         temperature=self.loss_cfg.temperature)
@@ -272,16 +364,17 @@ class Trainer:
                 mismatch = float(np.abs(np.asarray(lp) - np.asarray(batch.old_logp[:k]))[m].max())
         t_check = time.perf_counter() - t0
 
+        # ---- drafter, inline: a few updates on the buffer (the rollout's features and weights)
+        t0 = time.perf_counter()
+        dmetrics = self._train_drafter(step, rollout_params)
+        t_drafter = time.perf_counter() - t0
+
         # ---- policy update
         t0 = time.perf_counter()
         self.state, upd = grpo.grpo_update(self.state, batch, loss_cfg=self.loss_cfg, micro_batches=rl.micro_batches)
         upd = jax.device_get(upd)
         t_update = time.perf_counter() - t0
 
-        # ---- drafter: a few updates on this step's sequences against the new policy
-        t0 = time.perf_counter()
-        dmetrics = self._train_drafter(seqs, step)
-        t_drafter = time.perf_counter() - t0
         self._sync_engine()
 
         lengths = [len(s.tokens) for s in seqs]
@@ -307,29 +400,29 @@ class Trainer:
             "time/update": t_update, "time/drafter": t_drafter,
         }
         m.update({f"drafter/{k}": float(v) for k, v in dmetrics.items()})
+        m.update(ctl_metrics)
+        m["drafter/buffer_entries"] = float(len(self.buffer))
         m["time/step"] = time.perf_counter() - t_step
         m["time/idle"] = stats.time_host + t_reward  # the device waits on the host
         return StepResult(step=step, metrics=m, lengths=lengths)
 
-    def _train_drafter(self, seqs, step: int) -> dict[str, float]:
-        from tltjax.drafter.train import drafter_update, make_batch
+    def _train_drafter(self, step: int, target_params) -> dict[str, float]:
+        """``rl.drafter_steps`` updates on the critical path (none when a spot trainer does the work)."""
+        from tltjax.drafter.train import drafter_update
 
         rl = self.rl
-        if rl.drafter_steps <= 0 or not self.speculate:
+        if rl.drafter_steps <= 0 or not self.train_drafter or (self.controller and self.controller.spot):
             return {}
-        target = self.state.model()
-        target_params = nnx.state(target)
         rng = np.random.default_rng(hash_seed(self.config.seed + 1, step))
-        width = update_width([len(s.prompt) + len(s.tokens) for s in seqs], self.update_lengths)
-        feature_layers = self.engine.feature_layers
         got = []
         for _ in range(rl.drafter_steps):
-            pick = rng.choice(len(seqs), size=min(rl.drafter_batch, len(seqs)), replace=False)
-            batch = make_batch(target, [seqs[i].context for i in pick], width, feature_layers, pad_id=self.pad_id)
+            batch = self._sample_drafter_batch(rng, rl.drafter_batch)
+            if batch is None:
+                break
             self.drafter_state, dm = drafter_update(self.drafter_state, target_params, batch)
             got.append(dm)
         got = jax.device_get(got)
-        return {k: float(np.mean([g[k] for g in got])) for k in ("loss", "top1")}
+        return {k: float(np.mean([g[k] for g in got])) for k in ("loss", "top1")} if got else {}
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
@@ -442,9 +535,25 @@ def check_config(config: ConfigDict) -> None:
         ("reward_workers", rl.reward_workers >= 0, "must be >= 0 (0 computes rewards in this process)"),
         ("reward_timeout_s", rl.reward_timeout_s > 0, "must be > 0"),
     ]
+    rules += [
+        ("buffer_tokens", rl.buffer_tokens >= 2 * config.drafter.seq_len,
+         f"must hold at least two training rows (2 * drafter.seq_len = {2 * config.drafter.seq_len})"),
+        ("buffer_steps", rl.buffer_steps >= 1, "must be >= 1"),
+        ("drafter_window", rl.drafter_window >= 2, "must be >= 2"),
+    ]
     for name, ok, why in rules:
         if not ok:
             raise ConfigError(f"config.rl.{name}={rl[name]!r} {why}")
+    ctl = config.controller
+    local = jax.local_device_count()
+    for name, ok, why in [
+        ("replica_size", ctl.replica_size >= 0 and (ctl.replica_size == 0 or local % ctl.replica_size == 0),
+         f"must be 0 (one engine) or divide this host's {local} devices (a replica never spans hosts)"),
+        ("spot_rows_per_device", ctl.spot_rows_per_device >= 1, "must be >= 1"),
+        ("spot_max_steps", ctl.spot_max_steps >= 0, "must be >= 0 (0: no cap)"),
+    ]:
+        if not ok:
+            raise ConfigError(f"config.controller.{name}={ctl[name]!r} {why}")
     if rows > config.rollout.max_batch:
         # the engine queues rows beyond max_batch: allowed, but say it once
         log.info("rl: %d rows per step exceed rollout.max_batch=%d; the rest wait", rows, config.rollout.max_batch)

@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tltjax import sharding as sharding_lib
 from tltjax.rollout import programs
 from tltjax.rollout.paged_cache import SCRATCH_PAGE, PageAllocator
 from tltjax.rollout.sampling import SamplingParams
@@ -230,8 +232,14 @@ class Engine:
     / drafter weights of the same shapes (e.g. after a policy update).
     """
 
-    def __init__(self, target, config: EngineConfig = EngineConfig(), drafter=None, *, feature_layers=None):
+    def __init__(
+        self, target, config: EngineConfig = EngineConfig(), drafter=None, *, feature_layers=None, mesh=None
+    ):
         self.config = config
+        # ``mesh``: the engine's devices (a `tltjax.sharding.make_mesh` mesh, e.g. one rollout
+        # replica): weights are laid out by their logical axes (tensor parallel over ``tensor``),
+        # KV pages split by KV head, and every program is compiled for exactly these devices.
+        self.mesh = mesh
         tgraph, self.tparams = nnx.split(target)
         self.target_config = target.config
         if drafter is not None:
@@ -249,6 +257,7 @@ class Engine:
                     "'ngram:depth=...' strategies"
                 )
         self._tgraph, self._dgraph, self.feature_layers = tgraph, dgraph, tuple(layers)
+        self.tparams, self.dparams = self._place(self.tparams), self._place(self.dparams)
         self.drafter_config = None if drafter is None else drafter.config
         tc = target.config
         kv_bytes = PageAllocator.page_bytes(tc, config.page_size)
@@ -283,19 +292,55 @@ class Engine:
             dshape = (1, 1, self.num_pages, c.page_size, 1)
         feat = tc.hidden_size * len(self.feature_layers)
         rows = programs.RowState.init(c.max_batch, c.pend_width, feat, c.pages_per_seq * c.page_size, dtype)
-        return programs.EngineState(
+        state = programs.EngineState(
             k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
             dk_pages=jnp.zeros(dshape, dtype), dv_pages=jnp.zeros(dshape, dtype), rows=rows,
         )
+        if self.mesh is None:
+            return state
+        pages = (None, "kv_heads", None, None, None)
+        shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, P()), state)
+        shardings = shardings.replace(
+            k_pages=sharding_lib.named_sharding(shape, pages, self.mesh),
+            v_pages=sharding_lib.named_sharding(shape, pages, self.mesh),
+            dk_pages=sharding_lib.named_sharding(dshape, pages, self.mesh),
+            dv_pages=sharding_lib.named_sharding(dshape, pages, self.mesh),
+        )
+        return jax.device_put(state, shardings)
+
+    def _pin_state(self) -> Callable:
+        """Wraps a program so the state it returns keeps the layout it came in with (on a mesh, XLA
+        would otherwise pick the output layout, and the next call would not accept it)."""
+        if self.mesh is None:
+            return lambda fn: fn
+        layout = jax.tree.map(lambda a: a.sharding, self._state)
+
+        def pin(fn):
+            def pinned(*args):
+                out = fn(*args)
+                return (jax.lax.with_sharding_constraint(out[0], layout), *out[1:])
+
+            return pinned
+
+        return pin
+
+    def _place(self, params: nnx.State) -> nnx.State:
+        """``params`` laid out on the engine's mesh by their logical axes (as they are without a mesh)."""
+        if self.mesh is None or not jax.tree.leaves(params):
+            return params
+        return jax.device_put(params, sharding_lib.state_shardings(params, self.mesh))
 
     def set_params(self, target=None, drafter=None) -> None:
-        """Uses new weights (same shapes) from now on; compiled programs are kept."""
+        """Uses new weights (same shapes) from now on; compiled programs are kept.
+
+        Weights on other devices (e.g. the training mesh) are copied onto the engine's mesh.
+        """
         if target is not None:
-            self.tparams = nnx.state(target)
+            self.tparams = self._place(nnx.state(target))
         if drafter is not None:
             if self.drafter_config is None:
                 raise ValueError("this engine was built without a drafter")
-            self.dparams = nnx.state(drafter)
+            self.dparams = self._place(nnx.state(drafter))
 
     def _spec(self, sampling: SamplingParams, with_features: bool) -> programs.ProgramSpec:
         return programs.ProgramSpec(
@@ -316,25 +361,26 @@ class Engine:
         spec = self._spec(sampling, with_features)
         if self._state is None:
             self._state = self._init_state()
-        st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._state)
-        tp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.tparams)
-        dp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.dparams)
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        host = None if self.mesh is None else NamedSharding(self.mesh, P())  # inputs from the host
+        like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if host is None else a.sharding)  # noqa: E731
+        st, tp, dp = (jax.tree.map(like, t) for t in (self._state, self.tparams, self.dparams))
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=host)  # noqa: E731
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=host)
         pps, nstop = c.pages_per_seq, 8
+        pin = self._pin_state()
         progs = {}
         for n in c.lengths:
             b = c.prefill_batch
-            fn = jax.jit(functools.partial(_raw_prefill, spec), donate_argnums=(2,))
+            fn = jax.jit(pin(functools.partial(_raw_prefill, spec)), donate_argnums=(2,))
             progs[("prefill", n)] = fn.lower(
                 tp, dp, st, i32(b), i32(b, pps), i32(b, n), i32(b), i32(b), i32(nstop), key
             ).compile()
         for b in c.buckets:
-            fn = jax.jit(functools.partial(_raw_decode, spec, c.decode_steps), donate_argnums=(2,))
+            fn = jax.jit(pin(functools.partial(_raw_decode, spec, c.decode_steps)), donate_argnums=(2,))
             progs[("decode", b)] = fn.lower(tp, dp, st, i32(b), i32(b, pps), i32(nstop), key).compile()
         for b in c.spec_buckets:
             for s in c.strategies:
-                fn = jax.jit(functools.partial(_raw_spec, spec, s, c.spec_rounds), donate_argnums=(2,))
+                fn = jax.jit(pin(functools.partial(_raw_spec, spec, s, c.spec_rounds)), donate_argnums=(2,))
                 progs[("spec", b, s)] = fn.lower(
                     tp, dp, st, i32(b), i32(b, pps), i32(b, max(c.max_group, 1)), i32(nstop), key
                 ).compile()

@@ -1,0 +1,14 @@
+"""The host-side controller: which devices decode and which train the drafter, step by step.
+
+- `partition`: rollout replicas as sub-meshes of one host's devices (`Replica`, `partition_devices`).
+- `replica`: the per-replica state machine ROLLOUT → IDLE → DRAFT_TRAIN → ROLLOUT and its log.
+- `spot`: the spot trainer: drafter updates, data parallel over whichever replicas are idle,
+  one compiled program per training-mesh size.
+- `controller`: one RL step's rollout over the replicas, handing finished replicas' devices
+  to the spot trainer until the last replica finishes.
+"""
+
+from tltjax.controller.partition import Replica, partition_devices
+from tltjax.controller.replica import Phase, ReplicaLog, Transition
+
+__all__ = ["Phase", "Replica", "ReplicaLog", "Transition", "partition_devices"]

@@ -123,7 +123,7 @@ def test_unknown_key_lists_valid_keys_and_suggests_the_near_one():
     message = str(info.value)
     assert "config.sft.lrr" in message
     assert "Did you mean config.sft.lr?" in message
-    assert "batch_size, grad_clip, log_every, lr, seq_len, steps, warmup_steps, weight_decay" in message
+    assert "batch_size, grad_clip, log_every, lr, seq_len, slip_rate, steps, warmup_steps, weight_decay" in message
     with pytest.raises(ConfigError, match=r"Did you mean config.model\?"):
         load_config(MICRO, ["--config.modle.hidden_size=8"])
 

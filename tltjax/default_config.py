@@ -47,6 +47,10 @@ def get_config() -> ConfigDict:
     config.sft.weight_decay = 0.01
     config.sft.grad_clip = 1.0
     config.sft.log_every = 50
+    # Fraction of worked steps in the SFT data whose result is off by 1 or 2 (later steps continue
+    # from it). The policy then slips at about this rate when it samples, as models distilled from
+    # imperfect solutions do: errors for RL's reward to remove. 0: clean data.
+    config.sft.slip_rate = 0.0
 
     # Offline drafter training (job train_drafter; benchmarks use it too). Not part of the
     # tiny policy's cache key: changing these never retrains the policy.
@@ -78,7 +82,9 @@ def get_config() -> ConfigDict:
     config.rl.warmup_steps = 2
     config.rl.weight_decay = 0.0
     config.rl.grad_clip = 1.0
-    config.rl.micro_batches = 4  # per update; must divide prompts_per_step * samples_per_prompt
+    # Optimiser steps per RL step, each on a slice of the rows (whole groups); 1: one full-batch step.
+    config.rl.mini_batches = 1
+    config.rl.micro_batches = 4  # per optimiser step; mini * micro must divide prompts_per_step * samples_per_prompt
     # Loss overrides of the algorithm's preset; 0 / "" keep the preset's value.
     config.rl.clip_low = 0.0
     config.rl.clip_high = 0.0
@@ -103,6 +109,7 @@ def get_config() -> ConfigDict:
     config.rl.drafter_window = 512  # longest training window (cut to drafter.seq_len, the packed row)
     config.rl.logprob_check_rows = 8  # rows whose log-probs are recomputed each step (mismatch logged)
     config.rl.eval_prompts = 128  # held-out prompts, greedy, at the start and the end (0: none)
+    config.rl.eval_samples = 4  # and this many responses each sampled at rl.temperature (0: none)
     config.rl.checkpoint_every = 5
     config.rl.keep_checkpoints = 2
     config.rl.resume = True  # continue from the workdir's last complete checkpoint
@@ -119,6 +126,14 @@ def get_config() -> ConfigDict:
     config.controller.spot_max_steps = 0  # most spot updates per RL step (0: as many as the tail allows)
     config.controller.nice = 19  # scheduling priority of spot training (shared CPU cores); -1 keeps it
 
+    # Several processes (hosts): jax.distributed (tltjax/distributed.py). Each runs the same command.
+    config.distributed = ConfigDict()
+    config.distributed.num_processes = 1  # > 1: join a group of this many processes
+    config.distributed.coordinator_address = ""  # host:port of process 0
+    config.distributed.process_id = 0  # this process's index in [0, num_processes)
+    config.distributed.slurm = True  # under srun with several tasks, read all of the above from SLURM
+    config.distributed.timeout_s = 300  # seconds to wait for every process to join
+
     # The rollout engine (tltjax/rollout/engine.py EngineConfig).
     config.rollout = ConfigDict()
     config.rollout.max_batch = 128
@@ -130,6 +145,16 @@ def get_config() -> ConfigDict:
     config.rollout.strategies = ("eagle:depth=4",)
     config.rollout.prefill_batch = 16
     config.rollout.prefill_lengths = (32, 64)
+    # Adaptive rollout (tltjax/rollout/bandit.py, docs/adaptive_rollout.md): a bandit picks plain or a
+    # strategy per batch bucket from measured tokens/s; spec_threshold is then only its first guess.
+    config.rollout.adaptive = False
+    config.rollout.bandit = "egreedy"  # egreedy (TLT's: median of a window) | ucb (window mean)
+    config.rollout.epsilon = 0.05  # egreedy: share of chunks that try another arm
+    config.rollout.window = 16  # rewards kept per (bucket, arm)
+    config.rollout.hysteresis = 0.05  # another arm must beat the current one by this fraction
+    config.rollout.confirm = 3  # ... on at least this many rewards
+    config.rollout.horizon = 256  # a reward expires after this many chunks of its bucket
+    config.rollout.pool_budget_mb = 0.0  # memory for compiled programs (0: no limit; small buckets first)
 
     config.generate = ConfigDict()
     config.generate.max_new_tokens = 256

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tltjax import config as config_lib
-from tltjax import jobs
+from tltjax import distributed, jobs
 
 USAGE = """\
 usage: python -m tltjax.main [--config=PATH] [--config.KEY=VALUE ...]
@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise config_lib.ConfigError(
                 f"unrecognized arguments: {' '.join(rest)} (expected --config=PATH and --config.KEY=VALUE)")
         job = jobs.get_job(config.job)
+        distributed.initialize(config)
         print(f"job {config.job} with config:\n{config_lib.format_config(config)}", flush=True)
         return job(config)
     except config_lib.ConfigError as e:

@@ -77,6 +77,9 @@ def model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
+SLIP_VERSION = 2  # how tasks make SFT slips; part of the key only where slips are on
+
+
 def cache_key(cfg: ConfigDict) -> str:
     """Hash of every config field that changes the trained weights."""
     relevant = {
@@ -84,8 +87,12 @@ def cache_key(cfg: ConfigDict) -> str:
         "seed": cfg.seed,
         "model": cfg.model.to_dict(),
         "task": {k: v for k, v in cfg.task.to_dict().items() if k != "num_eval"},
-        "sft": {k: v for k, v in cfg.sft.to_dict().items() if k != "log_every"},
+        # slip_rate 0 (no slips) is left out, so policies cached before it existed stay valid
+        "sft": {k: v for k, v in cfg.sft.to_dict().items()
+                if k != "log_every" and not (k == "slip_rate" and not v)},
     }
+    if cfg.sft.get("slip_rate", 0.0):
+        relevant["slips"] = SLIP_VERSION
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -122,6 +129,16 @@ def train_policy(cfg: ConfigDict, out_dir: pathlib.Path, *, progress: bool = Tru
     tok = task_tokenizer(task)
     mcfg = model_config(cfg, tok)
     examples = task_examples(cfg, cfg.task.num_train, seed=cfg.seed)
+    slip_rate = float(cfg.sft.get("slip_rate", 0.0))
+    if slip_rate:
+        if task.slip is None:
+            raise ValueError(f"config.sft.slip_rate={slip_rate} needs a task that can make slips; "
+                             f"task {task.name!r} cannot: set sft.slip_rate = 0.")
+        rng = np.random.default_rng(cfg.seed + 1)
+        clean = examples
+        examples = [task.slip(e, rng, slip_rate) for e in examples]
+        wrong = sum(a.answer != b.answer for a, b in zip(clean, examples))
+        log(f"sft: {slip_rate:.0%} of worked steps slip; {wrong / len(examples):.0%} of the examples end wrong")
     batches = data.PackedSFTBatches(
         examples, tok, cfg.sft.batch_size, cfg.sft.seq_len, seed=cfg.seed, epochs=None, widths=cfg.sft.widths
     )

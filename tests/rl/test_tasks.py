@@ -91,3 +91,28 @@ def test_bad_knobs_are_clear_errors():
         tasks.generate(1, seed=0, p_stop=0.0)
     with pytest.raises(ValueError, match="max_operand=1"):
         tasks.generate(1, seed=0, max_operand=1)
+
+
+def test_slips_are_small_consistent_and_at_the_asked_rate(examples):
+    """`slip_longtail_arith` makes a fraction `rate` of the steps wrong by 1 or 2; every later step
+    computes correctly from the (wrong) value above it, and `answer` is the chain's own end."""
+    rng = np.random.default_rng(0)
+    slipped = [tasks.slip_longtail_arith(ex, rng, 0.2) for ex in examples[:2000]]
+    steps = wrong = 0
+    for ex, sl in zip(examples, slipped):
+        assert sl.prompt == ex.prompt and sl.num_steps == ex.num_steps
+        *lines, final = sl.response.split("\n")
+        value = int(ex.prompt.split(" ")[0])
+        for line, op_text in zip(lines, [item[1:] for item in ex.prompt.split(" ")[1:]]):
+            a, op, b, c = STEP.fullmatch(line[2:]).groups()
+            assert (int(a), op + b) == (value, op_text)  # continues from the line above
+            true = OPS[op](int(a), int(b))
+            assert abs(int(c) - true) in (0, 1, 2) and int(c) >= 0
+            steps, wrong = steps + 1, wrong + (int(c) != true)
+            value = int(c)
+        assert final == f"#{value}" and sl.answer == str(value)
+        assert set(sl.prompt + sl.response) <= set(tasks.alphabet)
+    assert abs(wrong / steps - 0.2) < 0.02  # ~8000 steps: 4.5 standard errors
+    assert tasks.slip_longtail_arith(examples[0], rng, 0.0) == examples[0]
+    with pytest.raises(ValueError, match="slip rate"):
+        tasks.slip_longtail_arith(examples[0], rng, 1.0)

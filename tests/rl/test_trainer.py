@@ -109,6 +109,29 @@ def test_baseline_switch_never_speculates(tmp_path, cache_dir):
     assert row["rollout/spec_token_frac"] == 0.0 and row["rollout/accept_length"] == 0.0
 
 
+@pytest.mark.slow
+def test_adaptive_rollout_keeps_its_bandit_across_steps_and_checkpoints(tmp_path, cache_dir):
+    """rollout.adaptive: one bandit learns over the steps (its per-bucket metrics are logged), and a
+    resumed run starts from the bandit state the checkpoint holds."""
+    from tltjax.rl.trainer import Trainer
+
+    cfg = micro_config(tmp_path / "ad", cache_dir, "--config.rl.steps=2", "--config.rollout.adaptive=true",
+                       "--config.rl.checkpoint_every=1", "--config.rl.eval_prompts=0", "--config.rl.eval_samples=0",
+                       "--config.rl.plots=false")
+    trainer = Trainer(cfg, log_fn=lambda *a: None)
+    trainer.run()
+    assert trainer.engine.pool_summary()["spec_programs"] == 5  # every bucket 1..16 holds the strategy
+    rows = read(tmp_path / "ad")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["bandit/pulls"] > 0 and r["rollout/pool_mb"] > 0 and r["rollout/compilations"] == 0
+        assert r["bandit/b16/arm"] in (0.0, 1.0) and "bandit/threshold" in r
+    saved = trainer.bandit.state_dict()
+    resumed = Trainer(cfg, log_fn=lambda *a: None)
+    assert resumed.start_step == 2 and resumed.bandit.state_dict() == saved
+    resumed.close()
+
+
 def _cmd(workdir, cache_dir, steps):
     return [sys.executable, "-m", "tltjax.main", f"--config={MICRO}", f"--config.workdir={workdir}",
             f"--config.cache_dir={cache_dir}", f"--config.rl.steps={steps}", "--config.rl.checkpoint_every=1",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -48,6 +49,9 @@ class Task:
     generate: Callable[..., list[Example]]
     score: Callable[[str, str], float]
     alphabet: str
+    # `slip(example, rng, rate)`: the example with a fraction `rate` of its worked steps made wrong,
+    # the rest of the solution consistent with them (SFT data with mistakes); None: not supported.
+    slip: Callable[[Example, np.random.Generator, float], Example] | None = None
 
 
 TASKS: dict[str, Task] = {}
@@ -198,6 +202,49 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
+_STEP_LINE = re.compile(r"^([a-z]):(\d+)([-+*])(\d+)=(\d+)$")
+
+
+def slip_longtail_arith(example: Example, rng: np.random.Generator, rate: float) -> Example:
+    """`example` with each worked step's result off by 1 or 2 with probability `rate`.
+
+    Later steps continue from the wrong value, so the solution stays self-consistent and its final
+    answer (`answer`) is the wrong one: what a model that imitates it learns is to slip at that
+    rate, an error that reward can remove (the data of `sft.slip_rate`).
+    """
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"slip rate must be in [0, 1), got {rate}.")
+    labels, ops = [], []
+    for line in example.response.split("\n")[:-1]:
+        m = _STEP_LINE.match(line)
+        if m is None:
+            raise ValueError(f"not a longtail_arith step line: {line!r} in {example.response!r}")
+        labels.append(m.group(1))
+        ops.append((m.group(3), int(m.group(4))))
+    start = int(_STEP_LINE.match(example.response.split("\n")[0]).group(2))
+
+    def stays_non_negative(value: int, rest) -> bool:
+        for op, b in rest:
+            value = _OPS[op].apply(value, b)
+            if value < 0:
+                return False
+        return True
+
+    out, value = [], start
+    for i, (label, (op, b)) in enumerate(zip(labels, ops)):
+        a, value = value, _OPS[op].apply(value, ops[i][1])
+        if rng.random() < rate:
+            # off by 1 or 2, in a direction that keeps every later value >= 0 (the rest computed exactly)
+            d = int(rng.choice([-2, -1, 1, 2]))
+            for cand in (value + d, value - d):
+                if cand >= 0 and stays_non_negative(cand, ops[i + 1 :]):
+                    value = cand
+                    break
+        out.append(f"{label}:{a}{op}{b}={value}")
+    answer = str(value)
+    return dataclasses.replace(example, response="\n".join([*out, ANSWER_MARKER + answer]), answer=answer)
+
+
 def score_longtail_arith(response: str, answer: str) -> float:
     """1.0 if the response's final answer equals `answer` exactly, else 0.0; never raises."""
     if not isinstance(answer, str):
@@ -211,6 +258,7 @@ LONGTAIL_ARITH = register_task(
         generate=generate_longtail_arith,
         score=score_longtail_arith,
         alphabet=alphabet,
+        slip=slip_longtail_arith,
     )
 )
 

@@ -22,9 +22,12 @@ and reproduces the metrics an uninterrupted run would have logged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import pathlib
 import threading
 import time
@@ -122,11 +125,18 @@ class Trainer:
         check_config(config)
         self.config, self.rl, self.log = config, config.rl, log_fn
         rl = config.rl
+        # Several processes (tltjax.distributed): each rolls out its share of the prompts on its own
+        # devices; the policy update runs on the global mesh. Process 0 writes to the workdir, the
+        # others to workdir/process_<i> (their metrics, checkpoints and drafter data are their own).
+        self.host, self.hosts = jax.process_index(), jax.process_count()
         self.workdir = pathlib.Path(config.workdir)
+        if self.host:
+            self.workdir = self.workdir / f"process_{self.host}"
         self.workdir.mkdir(parents=True, exist_ok=True)
 
-        # ---- policy and tokenizer
-        self.policy_dir = tiny_policy.get_tiny_policy(config, progress=rl.progress, log=log_fn)
+        # ---- policy and tokenizer (process 0 trains what is not cached yet; the others then read it)
+        with self._process_zero_first("policy"):
+            self.policy_dir = tiny_policy.get_tiny_policy(config, progress=rl.progress, log=log_fn)
         policy, self.tokenizer = tiny_policy.load_policy(self.policy_dir)
         self.task = tasks_lib.get_task(config.task.name)
         self.eos_id = self.tokenizer.eos_id
@@ -148,11 +158,21 @@ class Trainer:
                                               timeout_s=rl.reward_timeout_s)
         self.evals = tiny_policy.task_examples(config, rl.eval_prompts, seed=config.seed + EVAL_SEED_OFFSET) \
             if rl.eval_prompts else []
+        self.eval_prompt_ids = datasets_lib.encode(self.evals, self.tokenizer)
+        longest_prompt = max([longest_prompt] + [len(p) for p in self.eval_prompt_ids])
 
         # ---- policy train state
         self.loss_cfg = grpo.loss_config(rl.algorithm, temperature=float(rl.temperature), **loss_overrides(rl))
-        tx = sft.make_optimizer(rl.lr, rl.steps, rl.warmup_steps, rl.weight_decay, rl.grad_clip)
+        tx = sft.make_optimizer(rl.lr, rl.steps * rl.mini_batches, rl.warmup_steps * rl.mini_batches,
+                                rl.weight_decay, rl.grad_clip)
         self.state = sft.TrainState.create(policy, tx)
+        self.mesh = None
+        self.local_params = self.state.params  # the policy params on this process's devices
+        if self.hosts > 1:
+            from tltjax import sharding as shd
+
+            self.mesh = shd.make_mesh({"fsdp": -1})  # every device of every process
+            self.state = self._to_global(self.state)
         # the reference policy: the initial one, frozen; held only when the KL term is on
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.loss_cfg.kl_coef > 0 else None
         self.sampling = SamplingParams(temperature=rl.temperature, top_p=rl.top_p)
@@ -164,12 +184,18 @@ class Trainer:
         from tltjax.drafter.model import Drafter, load_drafter
         from tltjax.drafter.train import DrafterTrainState
 
-        self.speculate = not rl.baseline and config.rollout.spec_threshold > 0
+        self.speculate = not rl.baseline and (config.rollout.spec_threshold > 0 or config.rollout.adaptive)
         if rl.drafter_init == "offline":
-            drafter = load_drafter(offline.get_drafter(config, self.policy_dir, progress=rl.progress, log=log_fn),
-                                   policy.config)
+            with self._process_zero_first("drafter"):
+                drafter_dir = offline.get_drafter(config, self.policy_dir, progress=rl.progress, log=log_fn)
+            drafter = load_drafter(drafter_dir, policy.config)
         else:
             drafter = Drafter(offline.drafter_config(config, policy), rngs=nnx.Rngs(config.seed))
+        if self.hosts > 1:  # every process starts from process 0's weights (caches may be per host)
+            from jax.experimental import multihost_utils
+
+            for module in (policy, drafter):
+                nnx.update(module, multihost_utils.broadcast_one_to_all(nnx.state(module)))
         ctl = config.controller
         updates_per_step = max(rl.drafter_steps, ctl.spot_max_steps or 64)
         dtx = sft.make_optimizer(config.drafter.lr, max(rl.steps * updates_per_step, 1), 0, 0.0, 1.0)
@@ -190,8 +216,12 @@ class Trainer:
             memory_budget_mb=r.memory_budget_mb, decode_steps=r.decode_steps, spec_rounds=r.spec_rounds,
             spec_threshold=r.spec_threshold if self.speculate else 0, strategies=tuple(r.strategies),
             prefill_batch=r.prefill_batch, prefill_lengths=tuple(n for n in r.prefill_lengths if n <= self.max_seq_len),
-            max_group=rl.samples_per_prompt,
+            max_group=rl.samples_per_prompt, pool_budget_mb=r.pool_budget_mb,
+            spec_max_bucket=r.max_batch if self.speculate and r.adaptive else 0,
         )
+        # adaptive: one bandit for every step (and every replica: they are alike), saved in checkpoints
+        self.bandit = make_bandit(r, config.seed) if self.speculate and r.adaptive else None
+        self.rollout_strategy = self.bandit or ("auto" if self.speculate else None)
         self.controller = None
         if ctl.replica_size:
             self.engine, self.controller = None, self._make_controller(policy, drafter)
@@ -199,7 +229,10 @@ class Trainer:
             self.engine = Engine(policy, self.engine_config, drafter)
 
         # ---- checkpoints, metrics
-        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", keep=rl.keep_checkpoints)
+        # (one directory for all processes: orbax's primary process writes the arrays, which are the
+        # same everywhere; each process's drafter buffer, its own data, goes to its workdir)
+        self.checkpointer = ckpt_lib.Checkpointer(pathlib.Path(config.workdir) / "checkpoints",
+                                                  keep=rl.keep_checkpoints)
         self.start_step = 0
         if rl.resume and self.checkpointer.latest_step() is not None:
             self._restore()
@@ -215,30 +248,152 @@ class Trainer:
         self.metrics_lib = metrics_lib
 
     # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ several processes
+    @contextlib.contextmanager
+    def _process_zero_first(self, what: str):
+        """Runs the body on process 0, then on the others (so that a shared cache is written once)."""
+        from tltjax import distributed
+
+        if self.hosts > 1 and self.host:
+            distributed.barrier(f"tltjax {what} ready")
+        yield
+        if self.hosts > 1 and not self.host:
+            distributed.barrier(f"tltjax {what} ready")
+
+    def _to_global(self, state: sft.TrainState) -> sft.TrainState:
+        """``state`` (the same values on every process) laid out on the global mesh by logical axes."""
+        from tltjax import sharding as shd
+
+        def place(x, sharding):
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        shardings = jax.tree.leaves(shd.state_shardings(state.params, self.mesh),
+                                    is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+        leaves, treedef = jax.tree.flatten(state.params)
+        params = treedef.unflatten([place(x, sh) for x, sh in zip(leaves, shardings, strict=True)])
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+        def like(ref):  # moments follow their params' layout; counters are replicated
+            sh = ref.sharding
+            return sh if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == self.mesh else replicated
+
+        layout = jax.jit(state.tx.init)(params)
+        opt_state = jax.tree.map(lambda x, ref: place(x, like(ref)), state.opt_state, layout)
+        step = place(state.step, replicated)
+        return state.replace(params=params, opt_state=opt_state, step=step)
+
+    def _to_local(self, tree):
+        """Whole copies of a tree of global arrays on this process (identity with one process)."""
+        if self.hosts == 1:
+            return tree
+        from jax.experimental import multihost_utils
+
+        return jax.tree.map(lambda x: jnp.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+    def _global_batch(self, batch: grpo.GRPOBatch) -> grpo.GRPOBatch:
+        """The batch (the same on every process) as global arrays, rows split over the devices when they divide."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        rows = batch.tokens.shape[0]
+        spec = P("fsdp") if rows % jax.device_count() == 0 else P()
+
+        def place(x):
+            if x is None:
+                return None
+            host = np.asarray(x)
+            sharding = NamedSharding(self.mesh, P(*spec, *([None] * (host.ndim - 1))) if spec else P())
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(place, batch, is_leaf=lambda x: x is None)
+
+    def _gather_rollouts(self, batch_idx, seqs, rewards: np.ndarray):
+        """Every process's sequences and rewards, on every process, in the global prompt-major order."""
+        from jax.experimental import multihost_utils
+
+        from tltjax.rollout.engine import GeneratedSequence
+
+        width = self.rl.max_new_tokens
+        toks = np.zeros((len(seqs), width), np.int32)
+        lps = np.zeros((len(seqs), width), np.float32)
+        lens = np.array([len(s.tokens) for s in seqs], np.int32)
+        for r, s in enumerate(seqs):
+            toks[r, : lens[r]], lps[r, : lens[r]] = s.tokens, s.logprobs
+        g = multihost_utils.process_allgather({"t": toks, "l": lps, "n": lens, "r": rewards})
+        n = self.rl.samples_per_prompt
+        out = []
+        for row in range(self.hosts * len(seqs)):
+            h, r = divmod(row, len(seqs))
+            p, j = divmod(row, n)
+            s = GeneratedSequence(prompt_index=p, sample_index=j, prompt=list(self.prompt_ids[batch_idx[p]]))
+            k = int(g["n"][h, r])
+            s.tokens, s.logprobs = [int(t) for t in g["t"][h, r, :k]], [float(x) for x in g["l"][h, r, :k]]
+            out.append(s)
+        return out, np.asarray(g["r"]).reshape(-1, n)
+
+    # ------------------------------------------------------------------ checkpoints
     def _ckpt_state(self) -> dict:
         s, d = self.state, self.drafter_state
-        return {"policy": {"params": s.params, "opt_state": s.opt_state, "step": s.step},
-                "drafter": {"params": d.params, "opt_state": d.opt_state, "step": d.step},
-                "buffer": self.buffer.state_dict(copy=False)}
+        # with several processes: whole host copies (the same on every process); buffers separately
+        params, opt_state, pstep = (s.params, s.opt_state, s.step) if self.hosts == 1 else \
+            (self.local_params, self._to_local(s.opt_state), self._to_local(s.step))
+        out = {"policy": {"params": params, "opt_state": opt_state, "step": pstep},
+               "drafter": {"params": d.params, "opt_state": d.opt_state, "step": d.step}}
+        if self.hosts > 1:
+            return jax.tree.map(np.asarray, out)
+        return {**out, "buffer": self.buffer.state_dict(copy=False)}
+
+    def _buffer_path(self, step: int) -> pathlib.Path:
+        return self.workdir / "drafter_buffer" / f"{step}.npz"
+
+    def _save_buffer(self, step: int) -> None:
+        """This process's drafter buffer at ``step`` (several processes), written atomically; keeps as
+        many as there are checkpoints."""
+        path = self._buffer_path(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **self.buffer.state_dict(copy=False))
+        os.replace(tmp, path)
+        keep = {self._buffer_path(s) for s in self.checkpointer.all_steps()} | {path}
+        for old in path.parent.glob("*.npz"):
+            if old not in keep:
+                old.unlink(missing_ok=True)
 
     def _save(self, step: int) -> None:
         host = {"step": step, "sampler": self.sampler.state(), "policy_dir": str(self.policy_dir),
                 "reward_counts": dict(self.rewards.counts)}
+        if self.bandit is not None:
+            host["bandit"] = self.bandit.state_dict()
+        if self.hosts > 1:
+            self._save_buffer(step)
         self.checkpointer.save(step, self._ckpt_state(), host)
 
     def _restore(self) -> None:
         step = self.checkpointer.latest_step()
         state, host = self.checkpointer.restore(step, target=self._ckpt_state())
+        if self.hosts > 1:
+            state = {**state, **jax.tree.map(jnp.asarray, {k: state[k] for k in ("policy", "drafter")})}
         self.state = self.state.replace(**state["policy"])
+        self.local_params = self.state.params
+        if self.hosts > 1:
+            self.state = self._to_global(self.state)
         self.drafter_state = self.drafter_state.replace(**state["drafter"])
-        self.buffer = type(self.buffer).from_state_dict({k: np.asarray(v) for k, v in state["buffer"].items()})
+        if self.hosts == 1:
+            self.buffer = type(self.buffer).from_state_dict({k: np.asarray(v) for k, v in state["buffer"].items()})
+        elif self._buffer_path(step).exists():
+            with np.load(self._buffer_path(step)) as f:
+                self.buffer = type(self.buffer).from_state_dict({k: f[k] for k in f.files})
+        else:
+            self.log(f"rl: no drafter buffer of step {step} in {self._buffer_path(step).parent}; starting it empty")
         self.sampler.restore(host["sampler"])
+        if self.bandit is not None and "bandit" in host:
+            self.bandit.load_state_dict(host["bandit"])
         self.start_step = int(host["step"])
         self._sync_engine()
         self.log(f"rl: resumed from the checkpoint of step {self.start_step} in {self.checkpointer.directory}")
 
     def _sync_engine(self) -> None:
-        target, drafter = self.state.model(), self.drafter_state.drafter()
+        target, drafter = nnx.merge(self.state.graphdef, self.local_params), self.drafter_state.drafter()
         for engine in self._engines():
             engine.set_params(target=target, drafter=drafter)
 
@@ -289,17 +444,36 @@ class Trainer:
         """Greedy accuracy of the current policy on the held-out problems (nan without any)."""
         if not self.evals:
             return float("nan")
-        acc, _ = tiny_policy.accuracy(self.state.model(), self.tokenizer, self.evals, self.task,
+        acc, _ = tiny_policy.accuracy(nnx.merge(self.state.graphdef, self.local_params), self.tokenizer, self.evals, self.task,
                                       max_new_tokens=self.rl.max_new_tokens)
         return acc
+
+    def evaluate_sampled(self) -> float:
+        """Accuracy of ``rl.eval_samples`` responses per held-out problem, sampled as the rollouts are.
+
+        This is what the RL reward measures (greedy decoding hides the slips that sampling makes);
+        the seed is fixed, so the start and end figures see the same random numbers.
+        """
+        if not self.evals or not self.rl.eval_samples:
+            return float("nan")
+        engine = self._engines()[0]
+        seqs, _ = engine.generate(self.eval_prompt_ids, n=self.rl.eval_samples, sampling=self.sampling,
+                                  max_new_tokens=self.rl.max_new_tokens, stop_ids=(self.eos_id,),
+                                  seed=self.config.seed + EVAL_SEED_OFFSET, strategy="auto" if self.speculate else None,
+                                  return_features=self.train_drafter)
+        scores = [self.task.score(self.tokenizer.decode(s.tokens, skip_special_tokens=True),
+                                  self.evals[s.prompt_index].answer) for s in seqs]
+        return float(np.mean(scores))
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, progress=None) -> StepResult:
         rl = self.rl
         t_step = time.perf_counter()
         batch_idx = self.sampler.next()
-        prompts = [self.prompt_ids[i] for i in batch_idx]
-        answers = [self.examples[i].answer for i in batch_idx]
+        share = len(batch_idx) // self.hosts  # this process rolls out its block of the prompts
+        mine = batch_idx[self.host * share : (self.host + 1) * share]
+        prompts = [self.prompt_ids[i] for i in mine]
+        answers = [self.examples[i].answer for i in mine]
         n = rl.samples_per_prompt
 
         # ---- rollout, rewards submitted as sequences finish
@@ -308,9 +482,10 @@ class Trainer:
             self.rewards.submit(s.prompt_index * n + s.sample_index, text, answers[s.prompt_index])
 
         gen = dict(sampling=self.sampling, max_new_tokens=rl.max_new_tokens, stop_ids=(self.eos_id,),
-                   seed=hash_seed(self.config.seed, step), strategy="auto" if self.speculate else None,
+                   seed=hash_seed(self.config.seed + 7919 * self.host, step), strategy=self.rollout_strategy,
                    on_finish=on_finish, return_features=self.train_drafter)
-        rollout_params = nnx.state(self.state.model()) if self.train_drafter else None  # what produced the features
+        # what produced the features
+        rollout_params = nnx.state(nnx.merge(self.state.graphdef, self.local_params)) if self.train_drafter else None
         ctl_metrics: dict[str, float] = {}
         if self.controller is None:
             seqs, stats = self.engine.generate(prompts, n=n, progress=progress, **gen)
@@ -332,6 +507,8 @@ class Trainer:
         t_reward = time.perf_counter() - t0
         rewards = np.array([r.reward for r in results], np.float32).reshape(-1, n)
         failures = {k: sum(r.status == k for r in results) for k in ("error", "timeout")}
+        if self.hosts > 1:
+            seqs, rewards = self._gather_rollouts(batch_idx, seqs, rewards)
 
         # ---- advantages, dynamic sampling
         adv = np.asarray(grpo.get_advantage_estimator(self.loss_cfg.advantage)(jnp.asarray(rewards)))
@@ -340,7 +517,7 @@ class Trainer:
         # Rows that count go to the update; rows of dropped groups do not (they would add nothing but
         # cost), padded up to a row bucket with empty rows so that shapes stay few.
         sel = np.flatnonzero(keep)
-        rows = update_rows(len(sel), len(seqs), rl.micro_batches)
+        rows = update_rows(len(sel), len(seqs), rl.micro_batches * rl.mini_batches)
         pick = list(sel) + [0] * (rows - len(sel))
         upd_seqs = [seqs[i] for i in pick]
         upd_keep = np.arange(rows) < len(sel)
@@ -357,7 +534,7 @@ class Trainer:
         k = min(rl.logprob_check_rows, len(seqs))
         mismatch = 0.0
         if k:
-            lp = grpo.compute_logprobs(self.state.graphdef, self.state.params, batch.tokens[:k],
+            lp = grpo.compute_logprobs(self.state.graphdef, self.local_params, batch.tokens[:k],
                                        temperature=self.loss_cfg.temperature)
             m = np.asarray(batch.loss_mask[:k]) > 0
             if m.any():
@@ -367,12 +544,13 @@ class Trainer:
         # ---- drafter, inline: a few updates on the buffer (the rollout's features and weights)
         t0 = time.perf_counter()
         dmetrics = self._train_drafter(step, rollout_params)
+        if self.hosts > 1 and not (self.controller and self.controller.spot):  # (spot training averages itself)
+            self.drafter_state = jax.tree.map(jnp.asarray, controller_lib.average_over_hosts(self.drafter_state))
         t_drafter = time.perf_counter() - t0
 
         # ---- policy update
         t0 = time.perf_counter()
-        self.state, upd = grpo.grpo_update(self.state, batch, loss_cfg=self.loss_cfg, micro_batches=rl.micro_batches)
-        upd = jax.device_get(upd)
+        upd = self._update_policy(batch)
         t_update = time.perf_counter() - t0
 
         self._sync_engine()
@@ -401,10 +579,43 @@ class Trainer:
         }
         m.update({f"drafter/{k}": float(v) for k, v in dmetrics.items()})
         m.update(ctl_metrics)
+        if self.bandit is not None:
+            m.update(self.bandit.metrics())
+            m["rollout/pool_mb"] = sum(e.pool_summary()["mb"] for e in self._engines())
         m["drafter/buffer_entries"] = float(len(self.buffer))
         m["time/step"] = time.perf_counter() - t_step
         m["time/idle"] = stats.time_host + t_reward  # the device waits on the host
         return StepResult(step=step, metrics=m, lengths=lengths)
+
+    def _update_policy(self, batch: grpo.GRPOBatch) -> dict[str, float]:
+        """``rl.mini_batches`` optimiser steps, one per consecutive slice of rows (whole groups each),
+        all against the rollout's old log-probs (PPO clipping bounds how far later ones move).
+
+        Returns the slices' mean metrics; ``logp_mismatch_max`` is the first slice's, the one
+        taken at the rollout's own parameters.
+        """
+        rl = self.rl
+        rows = batch.tokens.shape[0] // rl.mini_batches
+        got = []
+        for i in range(rl.mini_batches):
+            part = jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch)
+            if self.hosts == 1:
+                self.state, upd = grpo.grpo_update(self.state, part, loss_cfg=self.loss_cfg,
+                                                   micro_batches=rl.micro_batches)
+            else:  # on the global mesh
+                from tltjax import sharding as shd
+
+                with shd.use_mesh(self.mesh):
+                    self.state, upd = grpo.grpo_update(self.state, self._global_batch(part), loss_cfg=self.loss_cfg,
+                                                       micro_batches=rl.micro_batches)
+                upd = self._to_local(upd)
+            got.append(upd)
+        # a whole copy of the new params for this process's engines
+        self.local_params = self._to_local(self.state.params)
+        got = jax.device_get(got)
+        out = {k: float(np.mean([g[k] for g in got])) for k in got[0]}
+        out["logp_mismatch_max"] = float(got[0]["logp_mismatch_max"])
+        return out
 
     def _train_drafter(self, step: int, target_params) -> dict[str, float]:
         """``rl.drafter_steps`` updates on the critical path (none when a spot trainer does the work)."""
@@ -431,8 +642,10 @@ class Trainer:
                                              enabled=rl.progress)
         t_run = time.perf_counter()
         acc_start = self.evaluate() if self.start_step == 0 else float("nan")
+        sampled_start = self.evaluate_sampled() if self.start_step == 0 else float("nan")
         if self.start_step == 0 and self.evals:
-            self.log(f"rl: greedy accuracy before RL on {len(self.evals)} held-out problems: {acc_start:.1%}")
+            self.log(f"rl: accuracy before RL on {len(self.evals)} held-out problems: greedy {acc_start:.1%}, "
+                     f"sampled {sampled_start:.1%}")
         history: list[dict] = []
         lengths_all: list[int] = []
         try:
@@ -455,9 +668,9 @@ class Trainer:
         finally:
             progress.close()
             self.checkpointer.wait()
-        acc_end = self.evaluate()
+        acc_end, sampled_end = self.evaluate(), self.evaluate_sampled()
         wall = time.perf_counter() - t_run
-        summary = self._summarize(history, lengths_all, acc_start, acc_end, wall)
+        summary = self._summarize(history, lengths_all, (acc_start, sampled_start), (acc_end, sampled_end), wall)
         self.close()
         return summary
 
@@ -474,17 +687,20 @@ class Trainer:
         mean = lambda rows, k: float(np.mean([r[k] for r in rows])) if rows else float("nan")  # noqa: E731
         summary = {
             "steps": len(records), "wall_seconds": wall, "baseline": bool(self.rl.baseline),
-            "eval_accuracy_start": acc_start, "eval_accuracy_end": acc_end,
+            "eval_accuracy_start": acc_start[0], "eval_accuracy_end": acc_end[0],
+            "eval_sampled_accuracy_start": acc_start[1], "eval_sampled_accuracy_end": acc_end[1],
             "train_accuracy_first3": mean(first, "accuracy"), "train_accuracy_last3": mean(last, "accuracy"),
             "reward_first3": mean(first, "reward/mean"), "reward_last3": mean(last, "reward/mean"),
             "mean_step_seconds": mean(records, "time/step"), "mean_rollout_seconds": mean(records, "time/rollout"),
             "rollout_share": mean(records, "time/rollout") / max(mean(records, "time/step"), 1e-9),
             "mean_accept_length": mean([r for r in records if r.get("rollout/accept_length")], "rollout/accept_length"),
             "reward_failures": dict(self.rewards.counts), "plots": [str(p) for p in plots],
+            # bit-exact fingerprints of the final weights (processes of one run must agree)
+            "params_sha256": {"policy": tree_digest(self.local_params), "drafter": tree_digest(self.drafter_state.params)},
         }
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self.log(f"rl: {summary['steps']} steps in {wall:.0f} s; greedy held-out accuracy {acc_start:.1%} -> "
-                 f"{acc_end:.1%}; train accuracy {summary['train_accuracy_first3']:.1%} (first 3 steps) -> "
+        self.log(f"rl: {summary['steps']} steps in {wall:.0f} s; held-out accuracy: greedy {acc_start[0]:.1%} -> "
+                 f"{acc_end[0]:.1%}, sampled {acc_start[1]:.1%} -> {acc_end[1]:.1%}; train accuracy {summary['train_accuracy_first3']:.1%} (first 3 steps) -> "
                  f"{summary['train_accuracy_last3']:.1%} (last 3); rollout {summary['rollout_share']:.0%} of step time; "
                  f"wrote {self.workdir / 'summary.json'}" + (f" and {len(plots)} plots" if plots else ""))
         return summary
@@ -493,6 +709,16 @@ class Trainer:
         self.rewards.close()
         self.metrics.close()
         self.checkpointer.close()
+
+
+def tree_digest(tree) -> str:
+    """SHA-256 of a pytree's arrays (leaf order, dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(tree):
+        x = np.asarray(x)
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
 
 
 def hash_seed(seed: int, step: int) -> int:
@@ -512,6 +738,18 @@ def loss_overrides(rl: ConfigDict) -> dict[str, Any]:
     return out
 
 
+def make_bandit(rollout: ConfigDict, seed: int):
+    """The adaptive rollout's `Bandit` from ``config.rollout``; bad values are `ConfigError`s."""
+    from tltjax.rollout.bandit import Bandit, BanditConfig
+
+    try:
+        return Bandit(BanditConfig(
+            policy=rollout.bandit, epsilon=rollout.epsilon, window=rollout.window, hysteresis=rollout.hysteresis,
+            confirm=rollout.confirm, horizon=rollout.horizon, default_threshold=rollout.spec_threshold, seed=seed))
+    except ValueError as e:
+        raise ConfigError(f"config.rollout: {e}") from None
+
+
 def check_config(config: ConfigDict) -> None:
     """Raises `ConfigError` naming the first ``config.rl`` field that cannot work."""
     rl = config.rl
@@ -523,6 +761,8 @@ def check_config(config: ConfigDict) -> None:
         ("samples_per_prompt", rl.samples_per_prompt >= 1, "must be >= 1 (GRPO needs >= 2 to learn)"),
         ("micro_batches", rl.micro_batches >= 1 and rows % rl.micro_batches == 0,
          f"must be >= 1 and divide prompts_per_step * samples_per_prompt = {rows}"),
+        ("mini_batches", rl.mini_batches >= 1 and rows % (rl.mini_batches * rl.micro_batches) == 0,
+         f"must be >= 1, and mini_batches * micro_batches must divide prompts_per_step * samples_per_prompt = {rows}"),
         ("max_new_tokens", rl.max_new_tokens >= 1, "must be >= 1"),
         ("lr", rl.lr > 0, "must be > 0"),
         ("temperature", rl.temperature > 0, "must be > 0 (RL samples its rollouts)"),
@@ -534,6 +774,9 @@ def check_config(config: ConfigDict) -> None:
         ("kl_coef", rl.kl_coef >= 0, "must be >= 0 (0: no reference policy in memory)"),
         ("reward_workers", rl.reward_workers >= 0, "must be >= 0 (0 computes rewards in this process)"),
         ("reward_timeout_s", rl.reward_timeout_s > 0, "must be > 0"),
+        ("eval_samples", rl.eval_samples >= 0, "must be >= 0 (0: no sampled evaluation)"),
+        ("prompts_per_step", rl.prompts_per_step % jax.process_count() == 0,
+         f"must be a multiple of the {jax.process_count()} processes (each rolls out an equal share)"),
     ]
     rules += [
         ("buffer_tokens", rl.buffer_tokens >= 2 * config.drafter.seq_len,
@@ -554,6 +797,8 @@ def check_config(config: ConfigDict) -> None:
     ]:
         if not ok:
             raise ConfigError(f"config.controller.{name}={ctl[name]!r} {why}")
+    if config.rollout.adaptive:
+        make_bandit(config.rollout, config.seed)  # its settings fail here, before anything is trained
     if rows > config.rollout.max_batch:
         # the engine queues rows beyond max_batch: allowed, but say it once
         log.info("rl: %d rows per step exceed rollout.max_batch=%d; the rest wait", rows, config.rollout.max_batch)

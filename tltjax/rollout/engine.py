@@ -18,9 +18,13 @@ There is no per-token host work: a chunk runs ``decode_steps`` plain steps or
 
 Speculation is switched per chunk: when the active rows fit in a bucket of at
 most ``spec_threshold``, the strategy for that bucket (a `Strategy`, or the
-choice of a callable such as a bandit) drafts and the target verifies. The
-drafter's cache is advanced on every chunk, speculative or not, so switching
-needs no re-prefill.
+choice of a callable) drafts and the target verifies. With a
+`tltjax.rollout.bandit.Bandit` as ``strategy`` the choice is learned instead:
+the pool holds speculative programs up to ``spec_max_bucket`` (within
+``pool_budget_mb``), the bandit picks an arm (plain or a strategy) per chunk and
+is told the tokens and device seconds of each call, measured where the engine
+reads the tokens back anyway. The drafter's cache is advanced on every chunk, speculative
+or not, so switching needs no re-prefill.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tltjax import sharding as sharding_lib
 from tltjax.rollout import programs
+from tltjax.rollout.bandit import Bandit
 from tltjax.rollout.paged_cache import SCRATCH_PAGE, PageAllocator
 from tltjax.rollout.sampling import SamplingParams
 from tltjax.rollout.speculative import Strategy
@@ -70,8 +75,14 @@ class EngineConfig:
     ``memory_budget_mb``: KV-cache memory (target + drafter pages); 0 gives room
     for ``max_batch`` full-length rows. ``decode_steps`` / ``spec_rounds``: device
     steps per call. ``spec_threshold``: speculate when the active rows fit a
-    bucket of at most this size (0: never). ``strategies``: the pool compiled
-    for those buckets. ``prefill_batch``: rows per prefill call;
+    bucket of at most this size (0: never; with a bandit, its default for
+    buckets not measured yet). ``strategies``: the pool compiled for those
+    buckets. ``spec_max_bucket``: the largest bucket with speculative programs
+    (0: ``spec_threshold``); a bandit can only choose among compiled programs, so
+    an adaptive engine sets it to ``max_batch``. ``pool_budget_mb``: most memory
+    the compiled programs may hold (0: no limit); speculative programs enter
+    from the smallest bucket up and the rest are left out (`Engine.pool_summary`).
+    ``prefill_batch``: rows per prefill call;
     ``prefill_lengths``: prompt-length buckets (default: powers of two from
     ``page_size``). ``max_group``: siblings the n-gram drafter reads.
     ``batch_buckets``: explicit bucket sizes (default: powers of two); the
@@ -91,6 +102,8 @@ class EngineConfig:
     max_group: int = 8
     attention_impl: str = "auto"
     batch_buckets: tuple = ()
+    spec_max_bucket: int = 0
+    pool_budget_mb: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "strategies", tuple(Strategy.parse(s) for s in self.strategies))
@@ -102,10 +115,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_batch={self.max_batch} must be a power of two (the largest bucket)")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"EngineConfig.page_size={self.page_size} must be a power of two")
-        if self.spec_threshold < 0 or self.max_group < 0 or self.memory_budget_mb < 0:
-            raise ValueError("EngineConfig.spec_threshold, max_group and memory_budget_mb must be >= 0")
-        if self.spec_threshold and not self.strategies:
-            raise ValueError("EngineConfig.spec_threshold > 0 needs at least one strategy")
+        if min(self.spec_threshold, self.max_group, self.memory_budget_mb, self.spec_max_bucket,
+               self.pool_budget_mb) < 0:
+            raise ValueError("EngineConfig.spec_threshold, max_group, memory_budget_mb, spec_max_bucket and "
+                             "pool_budget_mb must be >= 0")
+        if (self.spec_threshold or self.spec_max_bucket) and not self.strategies:
+            raise ValueError("EngineConfig.spec_threshold / spec_max_bucket > 0 need at least one strategy")
+        if self.spec_max_bucket and self.spec_max_bucket < self.spec_threshold:
+            raise ValueError(f"EngineConfig.spec_max_bucket={self.spec_max_bucket} must be 0 or >= "
+                             f"spec_threshold={self.spec_threshold} (the pool must hold the default's programs)")
         if self.batch_buckets and (max(self.batch_buckets) != self.max_batch or min(self.batch_buckets) < 1):
             raise ValueError(f"batch_buckets {self.batch_buckets} must be >= 1 with the largest == max_batch")
         if any(int(n) < 1 or int(n) > self.max_seq_len for n in self.prefill_lengths):
@@ -119,7 +137,8 @@ class EngineConfig:
 
     @functools.cached_property
     def spec_buckets(self) -> tuple[int, ...]:
-        return tuple(b for b in self.buckets if b <= self.spec_threshold)
+        """Buckets whose speculative programs the pool may hold."""
+        return tuple(b for b in self.buckets if b <= (self.spec_max_bucket or self.spec_threshold))
 
     @functools.cached_property
     def pend_width(self) -> int:
@@ -220,7 +239,9 @@ class GenerateStats:
         return d
 
 
-StrategyChoice = Strategy | str | None | Mapping[int, Strategy | str | None] | Callable[[int], Strategy | None]
+StrategyChoice = (
+    Strategy | str | None | Mapping[int, Strategy | str | None] | Callable[[int], Strategy | None] | Bandit
+)
 
 
 class Engine:
@@ -240,6 +261,11 @@ class Engine:
         # replica): weights are laid out by their logical axes (tensor parallel over ``tensor``),
         # KV pages split by KV head, and every program is compiled for exactly these devices.
         self.mesh = mesh
+        # On the CPU backend the "device" is this process's share of the host's cores: a chunk's device
+        # time is the CPU time the process spent on it (other processes' load does not count), capped by
+        # the wall time (parallel threads). Elsewhere it is the wall time up to the read-back.
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self._cpu_clock = device.platform == "cpu"
         tgraph, self.tparams = nnx.split(target)
         self.target_config = target.config
         if drafter is not None:
@@ -276,6 +302,9 @@ class Engine:
         self.page_bytes = kv_bytes
         self._state = None
         self._programs: dict = {}
+        self._pool: dict[int, tuple[Strategy, ...]] = {}  # bucket → strategies whose programs were compiled
+        self._program_bytes: dict = {}
+        self._left_out: list = []
         self._sampling: SamplingParams | None = None
         self._with_features: bool | None = None
         self.warmup_compilations = 0
@@ -352,7 +381,11 @@ class Engine:
         """Compiles every program for ``sampling``; returns the number of compilations it took.
 
         Programs: a prefill per length bucket, a plain chunk per batch bucket and
-        a speculative chunk per (bucket up to ``spec_threshold``, strategy).
+        a speculative chunk per (bucket up to ``spec_max_bucket`` or
+        ``spec_threshold``, strategy). Under ``pool_budget_mb`` speculative
+        programs enter from the smallest bucket up, strategies in config order; a
+        program that would overflow the budget is left out, and so are the larger
+        buckets of its strategy.
         """
         if self._sampling == sampling and self._with_features == with_features and self._programs:
             return 0
@@ -378,19 +411,50 @@ class Engine:
         for b in c.buckets:
             fn = jax.jit(pin(functools.partial(_raw_decode, spec, c.decode_steps)), donate_argnums=(2,))
             progs[("decode", b)] = fn.lower(tp, dp, st, i32(b), i32(b, pps), i32(nstop), key).compile()
-        for b in c.spec_buckets:
-            for s in c.strategies:
-                fn = jax.jit(pin(functools.partial(_raw_spec, spec, s, c.spec_rounds)), donate_argnums=(2,))
-                progs[("spec", b, s)] = fn.lower(
-                    tp, dp, st, i32(b), i32(b, pps), i32(b, max(c.max_group, 1)), i32(nstop), key
-                ).compile()
+        sizes = {k: program_bytes(p) for k, p in progs.items()}
+        budget = c.pool_budget_mb * 2**20 or float("inf")
+        if sum(sizes.values()) > budget:
+            raise ValueError(
+                f"EngineConfig.pool_budget_mb={c.pool_budget_mb} cannot hold the prefill and plain programs "
+                f"({sum(sizes.values()) / 2**20:.2f} MB); raise it or set 0 (no limit)"
+            )
+
+        def build(b, s):
+            fn = jax.jit(pin(functools.partial(_raw_spec, spec, s, c.spec_rounds)), donate_argnums=(2,))
+            prog = fn.lower(tp, dp, st, i32(b), i32(b, pps), i32(b, max(c.max_group, 1)), i32(nstop), key).compile()
+            return prog, program_bytes(prog)
+
+        spec_progs, spec_sizes, left_out = fill_pool(c.spec_buckets, c.strategies, build,
+                                                     budget - sum(sizes.values()))
+        pool: dict[int, list[Strategy]] = {}
+        for (b, s), prog in spec_progs.items():
+            progs[("spec", b, s)], sizes[("spec", b, s)] = prog, spec_sizes[(b, s)]
+            pool.setdefault(b, []).append(s)
         self._programs, self._sampling, self._with_features = progs, sampling, with_features
+        self._pool = {b: tuple(v) for b, v in pool.items()}
+        self._program_bytes, self._left_out = sizes, left_out
         self.warmup_compilations = compile_count() - before
         return self.warmup_compilations
 
     @property
     def num_programs(self) -> int:
         return len(self._programs)
+
+    def arms(self, bucket: int) -> tuple[Strategy | None, ...]:
+        """What a chunk of ``bucket`` can run: plain (None), then the pool's strategies for it (after `warmup`)."""
+        return (None, *self._pool.get(bucket, ()))
+
+    def pool_summary(self) -> dict:
+        """The compiled pool: programs, their estimated memory (MB, see `program_bytes`), the budget,
+        speculative programs per bucket and those the budget left out."""
+        return {
+            "programs": len(self._programs),
+            "spec_programs": sum(len(v) for v in self._pool.values()),
+            "mb": sum(self._program_bytes.values()) / 2**20,
+            "budget_mb": self.config.pool_budget_mb,
+            "arms": {b: ["plain", *(s.name for s in self._pool.get(b, ()))] for b in self.config.buckets},
+            "left_out": [f"{s.name}@{b}" for b, s in self._left_out],
+        }
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -410,8 +474,10 @@ class Engine:
         """Generates ``n`` samples per prompt; returns (sequences in prompt-major order, stats).
 
         ``strategy``: "auto" (the first strategy of the pool for every bucket up to
-        ``spec_threshold``), None (never speculate), a `Strategy` or spec string, a
-        mapping bucket → strategy, or a callable ``bucket -> Strategy | None``.
+        ``spec_threshold``), None (never speculate), a `Strategy` or spec string
+        (in every bucket whose pool holds it), a mapping bucket → strategy, a
+        callable ``bucket -> Strategy | None``, or a `Bandit`, which chooses among
+        `arms` per chunk and is updated after each call (tokens, seconds, rows).
         Only strategies of the compiled pool can run. ``progress`` receives a
         dict after every device call (tokens, active rows, mean accept length).
         ``on_finish`` receives each sequence as soon as it finishes (its tokens,
@@ -421,6 +487,7 @@ class Engine:
         c = self.config
         self._check_inputs(prompts, n, max_new_tokens, stop_ids)
         choose = self._chooser(strategy)
+        bandit = strategy if isinstance(strategy, Bandit) else None
         t_start = time.perf_counter()
         stats = GenerateStats(warmup_compilations=self.warmup(sampling, with_features=return_features))
         compiles_before = compile_count()
@@ -501,29 +568,30 @@ class Engine:
                 self._prefill(group, seqs, slot_of, alloc, stops, key_data(), stats, return_features, take)
             if not slot_of:
                 continue
-            # ---- pick the bucket and strategy, make room for the next chunk
+            # ---- pick the bucket and strategy, make room for the next chunk (preempting rows shrinks the
+            # bucket, which may change the strategy and its margin: choose again until nothing is preempted)
             t0 = time.perf_counter()
-            active = list(admitted_order)
-            bucket = next(b for b in c.buckets if b >= len(active))
-            strat = choose(bucket) if bucket in c.spec_buckets else None
-            margin = c.margin(strat)
             cap = c.pages_per_seq * c.page_size
-            lengths = {i: len(seqs[i].context) - 1 for i in active}
-            for i in list(active):
-                if i not in slot_of:
-                    continue
-                while not alloc.ensure(i, min(lengths[i] + margin, cap)):
-                    victim = next(reversed(admitted_order))
-                    self._preempt(victim, seqs, slot_of, free_slots, alloc, admitted_order, queue)
-                    stats.preemptions += 1
-                    if victim == i:
-                        break
-            active = list(admitted_order)
+            while active := list(admitted_order):
+                bucket = next(b for b in c.buckets if b >= len(active))
+                strat = choose(bucket) if self._pool.get(bucket) else None
+                margin = c.margin(strat)
+                preempted = False
+                for i in active:
+                    if i not in slot_of:
+                        continue
+                    while not alloc.ensure(i, min(len(seqs[i].context) - 1 + margin, cap)):
+                        victim = next(reversed(admitted_order))
+                        self._preempt(victim, seqs, slot_of, free_slots, alloc, admitted_order, queue)
+                        stats.preemptions += 1
+                        preempted = True
+                        if victim == i:
+                            break
+                if not preempted:
+                    break
             if not active:
                 stats.time_host += time.perf_counter() - t0
                 continue
-            bucket = next(b for b in c.buckets if b >= len(active))
-            strat = choose(bucket) if bucket in c.spec_buckets else None
             idx = np.full((bucket,), c.max_batch, np.int32)
             idx[: len(active)] = [slot_of[i] for i in active]
             table = np.full((bucket, c.pages_per_seq), SCRATCH_PAGE, np.int32)
@@ -531,7 +599,7 @@ class Engine:
             stats.max_pages_used = max(stats.max_pages_used, self.num_pages - 1 - alloc.num_free)
             stats.time_host += time.perf_counter() - t0
             # ---- one device call
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if strat is None:
                 prog = self._programs[("decode", bucket)]
                 self._state, out = prog(self.tparams, self.dparams, self._state, idx, table, stops, key_data())
@@ -544,6 +612,7 @@ class Engine:
                 self._state, out = prog(self.tparams, self.dparams, self._state, idx, table, group, stops, key_data())
             out = jax.device_get(out)
             dt = time.perf_counter() - t0
+            device_s = min(dt, time.process_time() - c0) if self._cpu_clock else dt
             t0 = time.perf_counter()
             emitted = 0
             for r, i in enumerate(active):
@@ -556,6 +625,9 @@ class Engine:
                     if take(i, out.tokens[r, step, :k], out.logprobs[r, step, :k], feats):
                         break
             stats.tokens += emitted
+            if bandit is not None:
+                live = float((out.count[: len(active)] > 0).sum()) / out.count.shape[1]  # rows live per step
+                bandit.update(bucket, strat, emitted, device_s, rows=live)
             stats.batch_trace.append((bucket, len(active), "plain" if strat is None else strat.name))
             if strat is None:
                 stats.decode_calls += 1
@@ -606,27 +678,34 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {min(p)}..{max(p)}")
 
     def _chooser(self, strategy: StrategyChoice) -> Callable[[int], Strategy | None]:
+        """``bucket -> Strategy | None``; called only for buckets whose pool holds speculative programs."""
         pool = self.config.strategies
-        if strategy == "auto":
-            return (lambda b: pool[0]) if pool else (lambda b: None)
+        if isinstance(strategy, Bandit):
+            return lambda b: strategy.select(b, self.arms(b))
+        if isinstance(strategy, str) and strategy == "auto":
+            thr = self.config.spec_threshold
+            return lambda b: pool[0] if b <= thr and pool[0] in self._pool.get(b, ()) else None
         if strategy is None:
             return lambda b: None
 
-        def check(s):
+        def check(s, bucket=None):
             if s is None:
                 return None
             s = Strategy.parse(s)
             if s not in pool:
                 raise ValueError(f"strategy {s.name} is not in the compiled pool {[p.name for p in pool]}")
+            if bucket is not None and s not in self._pool.get(bucket, ()):
+                raise ValueError(f"strategy {s.name} has no program for bucket {bucket} in the pool "
+                                 f"{self.pool_summary()['arms'][bucket]} (pool_budget_mb left it out)")
             return s
 
         if isinstance(strategy, Mapping):
             table = {int(b): check(s) for b, s in strategy.items()}
-            return lambda b: table.get(b)
+            return lambda b: check(table.get(b), b)
         if callable(strategy) and not isinstance(strategy, Strategy):
-            return lambda b: check(strategy(b))
+            return lambda b: check(strategy(b), b)
         fixed = check(strategy)
-        return lambda b: fixed
+        return lambda b: fixed if fixed in self._pool.get(b, ()) else None
 
     def _groups(self, active, seqs, slot_of, slot_owner, bucket) -> np.ndarray:
         """Slots of each row's sibling responses (same prompt), padded with the empty slot."""
@@ -690,6 +769,42 @@ class Engine:
         del admitted_order[i]
         seqs[i].preemptions += 1
         queue.appendleft(i)
+
+
+def fill_pool(buckets, strategies, build, room: float):
+    """Speculative programs within ``room`` bytes: the smallest bucket first, strategies in order; a program
+    that would overflow is left out, and so are the larger buckets of its strategy (not even compiled).
+
+    ``build(bucket, strategy) -> (program, bytes)``. Returns (programs and sizes keyed by (bucket,
+    strategy), the (bucket, strategy) pairs left out).
+    """
+    progs, sizes, left_out, dropped = {}, {}, [], set()
+    used = 0
+    for b in buckets:
+        for s in strategies:
+            if s in dropped:
+                left_out.append((b, s))
+                continue
+            prog, size = build(b, s)
+            if used + size > room:
+                dropped.add(s)
+                left_out.append((b, s))
+                continue
+            progs[(b, s)], sizes[(b, s)] = prog, size
+            used += size
+    return progs, sizes, left_out
+
+
+def program_bytes(compiled) -> int:
+    """Memory a compiled program holds or needs beyond its (donated) arguments: generated code plus
+    temporaries, as XLA reports them (``memory_analysis``); 0 where the backend reports nothing."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return 0
+    if m is None:
+        return 0
+    return int(m.generated_code_size_in_bytes + m.temp_size_in_bytes)
 
 
 def _raw_prefill(spec, tparams, dparams, state, idx, table, ids, lens, budget, stops, key):

@@ -148,7 +148,7 @@ def get_config() -> ConfigDict:
     # Adaptive rollout (tltjax/rollout/bandit.py, docs/adaptive_rollout.md): a bandit picks plain or a
     # strategy per batch bucket from measured tokens/s; spec_threshold is then only its first guess.
     config.rollout.adaptive = False
-    config.rollout.bandit = "egreedy"  # egreedy (TLT's: median of a window) | ucb (window mean)
+    config.rollout.bandit = "ucb"  # ucb (window mean) | egreedy (TLT's: window median, random exploration)
     config.rollout.epsilon = 0.05  # egreedy: share of chunks that try another arm
     config.rollout.window = 16  # rewards kept per (bucket, arm)
     config.rollout.hysteresis = 0.05  # another arm must beat the current one by this fraction

@@ -73,7 +73,7 @@ def test_hysteresis_prevents_flapping_between_near_equal_arms():
     arms = ARMS[:2]
     switches = {}
     for h in (0.0, 0.05):
-        bandit = Bandit(BanditConfig(epsilon=0.2, hysteresis=h, seed=4))
+        bandit = Bandit(BanditConfig(policy="egreedy", epsilon=0.2, hysteresis=h, seed=4))
         rng = np.random.default_rng(5)
         for _ in range(600):
             arm = bandit.select(4, arms)
@@ -85,7 +85,7 @@ def test_hysteresis_prevents_flapping_between_near_equal_arms():
 def test_one_lucky_chunk_does_not_move_the_table():
     """An arm that looks better on one reward is measured again before it can replace the greedy arm
     (``confirm`` rewards); when the re-measurements are ordinary, the greedy arm stays."""
-    bandit = Bandit(BanditConfig(epsilon=0.0, confirm=3))
+    bandit = Bandit(BanditConfig(policy="egreedy", epsilon=0.0, confirm=3))
     arms = ARMS[:2]
     for arm, r in [(None, 100.0), (ARMS[1], 150.0)]:  # plain (the default), then one lucky chunk of ARMS[1]
         assert bandit.select(8, arms) == arm
@@ -107,7 +107,7 @@ def test_speculation_threshold_comes_from_measured_rewards(default):
     assert bandit.threshold() == 8
     table = bandit.table()
     assert table[64] == table[16] == "plain" and table[8] != "plain" and table[1] != "plain"
-    exploit = Bandit(BanditConfig(epsilon=0.0, default_threshold=default))
+    exploit = Bandit(BanditConfig(policy="egreedy", epsilon=0.0, default_threshold=default))
     exploit.load_state_dict(bandit.state_dict())
     picks = [exploit.select(b, ARMS) for b in (64, 16, 8, 1, 8, 16, 64)]  # shrink, then grow (preemption)
     assert [p is not None for p in picks] == [False, False, True, True, True, False, False]
@@ -176,6 +176,8 @@ def test_bad_config_and_state_are_clear_errors():
         Bandit().load_state_dict({"buckets": {}})
     with pytest.raises(ValueError, match="no arms"):
         Bandit().select(4, [])
+    with pytest.raises(ValueError, match="spec_max_bucket"):
+        EngineConfig(max_batch=4, spec_threshold=4, spec_max_bucket=2)
 
 
 def test_pool_budget_keeps_small_buckets_first():
@@ -239,7 +241,7 @@ def test_adaptive_engine_is_lossless_and_feeds_the_bandit(engine, reference):
     pool = engine.pool_summary()
     assert pool["spec_programs"] == 8 and pool["mb"] > 0 and not pool["left_out"]
     assert engine.arms(4) == (None, *engine.config.strategies)
-    bandit = Bandit(BanditConfig(epsilon=0.3, default_threshold=1, seed=0))
+    bandit = Bandit(BanditConfig(policy="egreedy", epsilon=0.3, default_threshold=1, seed=0))
     for _ in range(2):  # two "RL steps": the bandit carries over
         seqs, stats = engine.generate(PROMPTS + PROMPTS, max_new_tokens=NEW, strategy=bandit)
         assert [s.tokens for s in seqs] == reference + reference
@@ -256,7 +258,7 @@ def test_speculation_turns_off_when_the_batch_grows(engine, reference):
     """A bandit that has measured speculation paying up to bucket 3 and plain winning at 4: when a preempted
     row is re-admitted and the batch grows from 3 rows to 4, the engine decodes plainly again (and speculates
     when it shrinks); output unchanged."""
-    bandit = Bandit(BanditConfig(epsilon=0.0, hysteresis=100.0, default_threshold=3))  # a fixed table
+    bandit = Bandit(BanditConfig(policy="egreedy", epsilon=0.0, hysteresis=100.0, default_threshold=3))  # fixed
     for bucket in engine.config.buckets:
         for arm in engine.arms(bucket):
             bandit.select(bucket, engine.arms(bucket))

@@ -277,7 +277,7 @@ class Engine:
         else:
             dgraph, self.dparams = None, {}
             layers = tuple(feature_layers or (target.config.num_hidden_layers,))
-            if any(s.drafter == "eagle" for s in config.strategies) and config.spec_threshold:
+            if any(s.drafter == "eagle" for s in config.strategies) and config.spec_buckets:
                 raise ValueError(
                     "the eagle strategies in EngineConfig.strategies need a drafter; pass drafter=..., or use "
                     "'ngram:depth=...' strategies"

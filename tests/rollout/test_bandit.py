@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 from tests.random_init import fill
+from tests.rollout.test_engine import CONFIG, GREEDY, NEW, PROMPTS  # the engine tests' tiny target
 from tltjax.drafter import Drafter, DrafterConfig
-from tltjax.models import CausalLM, ModelConfig
+from tltjax.models import CausalLM
 from tltjax.rollout.bandit import POLICIES, Bandit, BanditConfig, arm_name
 from tltjax.rollout.dense import generate
 from tltjax.rollout.engine import Engine, EngineConfig, fill_pool
-from tltjax.rollout.sampling import SamplingParams
 from tltjax.rollout.speculative import Strategy
 
 ARMS = [None, Strategy.parse("eagle:depth=2"), Strategy.parse("eagle:depth=4"), Strategy.parse("ngram:depth=4")]
@@ -198,13 +198,6 @@ def test_pool_budget_keeps_small_buckets_first():
 
 
 # ----------------------------------------------------------------------------- the adaptive engine
-CONFIG = ModelConfig(
-    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=True, max_position_embeddings=256,
-)
-PROMPTS = [[7, 3, 21, 40], [1, 2, 3, 4, 5, 6, 7, 8, 9], [50, 12, 33, 9, 9, 60], [5, 5], [11, 22, 33, 44, 55]]
-NEW = 40
-GREEDY = SamplingParams(0.0)
 
 
 @pytest.fixture(scope="module")

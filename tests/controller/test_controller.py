@@ -2,8 +2,14 @@
 
 Eight virtual CPU devices as four tensor-parallel replicas of two. The transition
 log is the evidence that devices really move between rollout and training, and
-that training stops when the rollout ends.
+that training stops when the rollout ends. One adaptive-rollout `Bandit` passed as
+the strategy is shared by every replica (as the RL trainer passes it): its counts
+are the evidence that each replica's chunks land in that one bandit.
 """
+
+import collections
+import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +23,7 @@ from tltjax.controller.controller import Controller, assign_prompts
 from tltjax.controller.spot import SpotTrainer
 from tltjax.drafter import Drafter, DrafterConfig
 from tltjax.models import CausalLM, ModelConfig
+from tltjax.rollout.bandit import Bandit, BanditConfig
 from tltjax.rollout.dense import generate
 from tltjax.rollout.engine import Engine, EngineConfig
 from tltjax.rollout.sampling import SamplingParams
@@ -126,3 +133,46 @@ def test_idle_replicas_train_until_the_last_replica_finishes(replicas, engines, 
         assert res.idle_device_seconds_spot < res.idle_device_seconds
         state = res.drafter_state
     assert all(r % 2 == 0 for r in seen_devices)
+
+
+class _ThreadRecordingBandit(Bandit):
+    """A `Bandit` that also notes which thread (controller replica) made each update."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.updates_by_thread = collections.Counter()
+        self._threads_lock = threading.Lock()
+
+    def update(self, bucket, arm, tokens, seconds, rows=None):
+        with self._threads_lock:
+            self.updates_by_thread[threading.current_thread().name] += 1
+        super().update(bucket, arm, tokens, seconds, rows)
+
+
+def test_replicas_share_one_bandit(replicas, engines, stop_token):
+    """One bandit as the strategy of a four-replica rollout (what the RL trainer passes): every replica's
+    thread updates it, its pulls per (bucket, arm) equal the chunks the replicas' traces list, summed over
+    replicas (no chunk lost or counted twice under concurrent updates; the reward windows' pull numbers are
+    distinct), and the greedy tokens equal a plain rollout's with the same seed (lossless whatever the
+    shared bandit picked)."""
+    ctl = Controller(replicas, engines)
+    bandit = _ThreadRecordingBandit(BanditConfig(policy="egreedy", epsilon=0.3, default_threshold=2, seed=3))
+    kw = dict(n=2, max_new_tokens=96, sampling=SamplingParams(0.0), stop_ids=(stop_token,), seed=5)
+    res = ctl.rollout(0, PROMPTS, strategy=bandit, **kw)
+    plain = ctl.rollout(1, PROMPTS, strategy=None, **kw)
+    assert [s.tokens for s in res.sequences] == [s.tokens for s in plain.sequences]
+    assert [(s.prompt_index, s.sample_index) for s in res.sequences] == [(i, j) for i in range(8) for j in range(2)]
+
+    chunks = [collections.Counter((b, arm) for b, _, arm in st.batch_trace) for st in res.stats]
+    assert all(chunks), "a replica ran no chunk"
+    assert any(arm != "plain" for c in chunks for _, arm in c), "no replica speculated"
+    assert bandit.updates_by_thread == {f"replica-{r}": sum(chunks[r].values()) for r in range(4)}
+    total = sum(chunks, collections.Counter())
+    state = bandit.state_dict()["buckets"]
+    assert {(int(b), arm): n for b, s in state.items() for arm, n in s["counts"].items()} == dict(total)
+    for s in state.values():
+        assert s["pulls"] == sum(s["counts"].values())
+        ts = [t for w in s["rewards"].values() for t, _ in w]
+        assert len(ts) == len(set(ts)) and max(ts) == s["pulls"] - 1
+    assert bandit.metrics()["bandit/pulls"] == sum(total.values()) == sum(len(st.batch_trace) for st in res.stats)
+    assert Bandit.from_state_dict(json.loads(json.dumps(bandit.state_dict()))).table() == bandit.table()

@@ -10,6 +10,8 @@ see every bucket the rollout ran, including the larger ones a growing batch retu
 import collections
 import dataclasses
 import json
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -157,6 +159,69 @@ def test_metrics_report_arm_reward_switches_and_threshold():
     assert m["bandit/threshold"] == 8.0 and m["bandit/pulls"] == 240.0
     assert bandit.metrics()["bandit/pulls"] == 0.0  # counters run from the previous call (one per RL step)
     assert all(isinstance(v, float) for v in m.values())
+
+
+def test_concurrent_select_and_update_lose_no_chunk():
+    """Eight threads (rollout replicas) select and update one bandit at once, over shared buckets, while a
+    ninth reads its metrics and state: every update is counted once (pulls per bucket and per arm add up to
+    the chunks recorded), each bucket's pull numbers in the reward windows are distinct and the latest is
+    its last pull, and the state still round-trips through JSON."""
+    bandit = Bandit(BanditConfig(policy="egreedy", epsilon=0.3, window=8, confirm=2, seed=13))
+    threads, per_thread, buckets = 8, 400, (1, 8, 64)
+    recorded = [collections.Counter() for _ in range(threads)]  # (bucket, arm name) -> updates, per thread
+    start, stop, errors = threading.Barrier(threads + 1), threading.Event(), []
+
+    def replica(r):
+        try:
+            rng = np.random.default_rng(100 + r)
+            start.wait()
+            for i in range(per_thread):
+                bucket = buckets[(i + r) % len(buckets)]
+                arm = bandit.select(bucket, ARMS)
+                c = COSTS[bucket][ARMS.index(arm)]
+                bandit.update(bucket, arm, tokens=c * (1 + 0.1 * rng.standard_normal()), seconds=1.0)
+                recorded[r][bucket, arm_name(arm)] += 1
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    def reader():
+        start.wait()
+        while not stop.is_set():
+            try:
+                bandit.metrics(), bandit.table(), bandit.estimates(), json.dumps(bandit.state_dict())
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up if there are any
+    try:
+        workers = [threading.Thread(target=replica, args=(r,)) for r in range(threads)]
+        watcher = threading.Thread(target=reader)
+        for t in [*workers, watcher]:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        watcher.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    total = sum(recorded, collections.Counter())
+    assert sum(total.values()) == threads * per_thread
+    state = bandit.state_dict()["buckets"]
+    assert set(state) == {str(b) for b in buckets}
+    for b in buckets:
+        s = state[str(b)]
+        assert s["pulls"] == sum(n for (k, _), n in total.items() if k == b)
+        assert s["counts"] == {name: n for (k, name), n in total.items() if k == b}
+        assert all(len(w) <= 8 for w in s["rewards"].values())
+        ts = [t for w in s["rewards"].values() for t, _ in w]
+        assert len(ts) == len(set(ts)) and max(ts) == s["pulls"] - 1 and min(ts) >= 0
+        assert s["greedy"] in {arm_name(a) for a in ARMS}
+    m = bandit.metrics()  # the reader's calls moved the mark; the pulls per bucket are totals
+    assert sum(m[f"bandit/b{b}/pulls"] for b in buckets) == threads * per_thread
+    assert Bandit.from_state_dict(json.loads(json.dumps(bandit.state_dict()))).state_dict() == bandit.state_dict()
 
 
 def test_bad_config_and_state_are_clear_errors():

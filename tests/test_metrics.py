@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from tltjax import metrics
 from tltjax.metrics import MetricsLogger, Progress, read_metrics, summary_table, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -182,3 +183,16 @@ def test_progress_disabled_is_silent(capsys):
             bar.update(2)
     assert capsys.readouterr().err == ""
 
+
+
+def test_moving_average_and_trend_on_hand_made_series():
+    steps, means = metrics.moving_average([1, 2, 3, 4], [0.0, 1.0, 2.0, 6.0], window=2)
+    assert steps == [2, 3, 4] and means == [0.5, 1.5, 4.0]
+    assert metrics.moving_average([1, 2], [1.0, 2.0], window=3) == ([], [])
+    with pytest.raises(ValueError, match="window"):
+        metrics.moving_average([1], [1.0], window=0)
+    t = metrics.trend([0.1, 0.2, 0.3, 0.4, 0.5])  # odd length: the middle value is in neither half
+    assert t["first_half"] == pytest.approx(0.15) and t["second_half"] == pytest.approx(0.45)
+    assert t["slope_per_step"] == pytest.approx(0.1)
+    assert metrics.trend([0.3, 0.3, 0.3])["slope_per_step"] == pytest.approx(0.0, abs=1e-12)
+    assert np.isnan(metrics.trend([0.5])["slope_per_step"])

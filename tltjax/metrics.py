@@ -179,13 +179,35 @@ def _series(records: Sequence[Mapping], key: str) -> tuple[list, list]:
     return steps, values
 
 
+def moving_average(steps: Sequence, values: Sequence, window: int) -> tuple[list, list[float]]:
+    """(steps, means) of each run of `window` consecutive `values`, placed at the run's last step."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if len(values) < window:
+        return [], []
+    v = np.asarray(values, np.float64)
+    means = np.convolve(v, np.ones(window) / window, mode="valid")
+    return list(steps[window - 1 :]), [float(m) for m in means]
+
+
+def trend(values: Sequence[float]) -> dict[str, float]:
+    """How a per-step series moved: means of its first and second halves and its least-squares slope per step."""
+    v = np.asarray(values, np.float64)
+    if len(v) < 2:
+        return {"first_half": float("nan"), "second_half": float("nan"), "slope_per_step": float("nan")}
+    half = len(v) // 2
+    slope = float(np.polyfit(np.arange(len(v)), v, 1)[0])
+    return {"first_half": float(v[:half].mean()), "second_half": float(v[len(v) - half :].mean()), "slope_per_step": slope}
+
+
 def write_plots(
     records: Sequence[Mapping], out_dir: str | Path, *, lengths: Sequence[int] | None = None
 ) -> list[Path]:
     """PNG plots of training `records` (as from `read_metrics`) in `out_dir`; a plot whose keys
     are all absent is skipped. Returns the paths written, from:
 
-    * reward.png: "reward/mean" with a ±"reward/std" band, and "accuracy", vs step;
+    * reward.png: "reward/mean" with a ±"reward/std" band and its moving average over 5 steps
+      (a step's prompts differ in difficulty: the average shows the trend), and "accuracy", vs step;
     * response_length.png: a histogram of `lengths`, and "response_length/{mean,p90,max}" vs step;
     * accept_length.png: "rollout/accept_length" vs step;
     * time_breakdown.png: stacked bars of every "time/..." key per step.
@@ -222,6 +244,9 @@ def write_plots(
             if band:
                 s, m, d = map(np.asarray, zip(*band))
                 a.fill_between(s, m - d, m + d, alpha=0.3, label="± std")
+            steps, means = moving_average(*reward, window=5)
+            if len(steps) > 1:
+                a.plot(steps, means, color="black", label="moving average (5 steps)")
             a.set(title="reward", xlabel="step")
             a.legend()
         if accuracy[0]:

@@ -116,3 +116,22 @@ def test_slips_are_small_consistent_and_at_the_asked_rate(examples):
     assert tasks.slip_longtail_arith(examples[0], rng, 0.0) == examples[0]
     with pytest.raises(ValueError, match="slip rate"):
         tasks.slip_longtail_arith(examples[0], rng, 1.0)
+
+
+def test_error_analysis_classifies_the_first_wrong_line():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "error_analysis.py"
+    spec = importlib.util.spec_from_file_location("error_analysis", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    classify = module.classify
+    for e in tasks.generate(50, seed=3, max_value=29):
+        assert classify(e.prompt, e.response) == "ok"
+    assert classify("14 a*2", "a:12*2=24\n#24") == "copy"
+    assert classify("14 a*2 b+1", "a:14*2=28\nb:28+2=30\n#30") == "operand"
+    assert classify("14 a*2 b+1", "a:14*2=28\nb:28+1=27\n#27") == "arith+"
+    assert classify("14 a*2 b+1", "a:14*2=28\n#28") == "answer_early"
+    assert classify("14 a*2", "a:14*2=28\n#29") == "answer_copy"
+    assert classify("14 a*2", "a:14*2=28") == "no_answer"

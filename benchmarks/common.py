@@ -100,18 +100,27 @@ def make_trainer(config: str, sets, workdir: str, steps: int, overrides: dict | 
     return Trainer(cfg, log_fn=lambda *a: None)
 
 
-def alternate_steps(runs: dict, steps: int, line) -> dict[str, list[dict]]:
+def alternate_steps(runs: dict, steps: int, line, before=None, rotate: bool = False) -> dict[str, list[dict]]:
     """Warms up every trainer of ``runs`` then runs their steps alternately (arm a step 1, arm b step 1, ...).
 
-    ``line(name, metrics)`` formats the progress line printed after each step; returns each arm's
-    metrics per step. The trainers are closed at the end.
+    ``line(name, metrics)`` formats the progress line printed after each step; ``before(name, step)``
+    (optional) runs just before each arm's step; ``rotate``: the arm that goes first changes every
+    step (the first pays the compilations the arms share: a jitted function both call with a new
+    shape compiles once per process). Returns each arm's metrics per step. The trainers are closed
+    at the end.
     """
     for t in runs.values():
         t.warmup()
     hist = {k: [] for k in runs}
     try:
         for step in range(1, steps + 1):
-            for name, t in runs.items():
+            order = list(runs.items())
+            if rotate:
+                k = (step - 1) % len(order)
+                order = order[k:] + order[:k]
+            for name, t in order:
+                if before is not None:
+                    before(name, step)
                 m = t.step(step).metrics
                 hist[name].append({"step": step, **m})
                 print(f"step {step:3d} {name}: {line(name, m)}", flush=True)

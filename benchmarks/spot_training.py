@@ -3,10 +3,14 @@
 Two trainers from the same config and seed run on rollout replicas
 (``controller.replica_size``) over virtual CPU devices, speculation off (so the
 drafter cannot change the rollout): one trains the drafter on the replicas that
-finish early (spot training), the other leaves them idle. Their steps alternate.
+finish early (spot training), the other leaves them idle. Their steps alternate, the
+arm that goes first changing every step (it pays the compilations the two share).
 Reported per arm: mean RL step time and rollout wall time, and their ratio (the
 target is within 2%), idle device-seconds without and with spot training, spot
-updates per RL step and the drafter's loss over the run.
+updates per RL step, their mean duration, the stop latency (how long the step
+boundary waited for the update in flight), background compilation time and the
+drafter's loss over the run; and the machine's load average before and after
+(the virtual devices share the host's cores with whatever else runs there).
 
     python benchmarks/spot_training.py --steps 8
     python benchmarks/spot_training.py --devices 8 --replica-size 2 --steps 10
@@ -54,12 +58,16 @@ def main(argv=None):
     import common
 
     args.config = args.config or str(common.REPO / "configs/default.py")
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"spot": make_trainer(args, f"{tmp}/spot", True), "idle": make_trainer(args, f"{tmp}/idle", False)}
-        hist = common.alternate_steps(runs, args.steps, lambda name, m: (
+        hist = common.alternate_steps(runs, args.steps, rotate=True, line=lambda name, m: (
             f"{m['time/step']:6.2f} s (rollout {m['time/rollout']:6.2f} s, idle "
             f"{m['controller/idle_device_seconds']:6.2f} dev-s, left idle {m['controller/idle_device_seconds_spot']:6.2f}, "
-            f"spot updates {m.get('spot/steps', 0):.0f}, stop latency {m['controller/stop_latency']:.3f} s)"))
+            f"spot updates {m.get('spot/steps', 0):.0f} of {m.get('spot/update_seconds', 0):.2f} s, stop latency "
+            f"{m['controller/stop_latency']:.3f} s ({m.get('spot/stop_in_update', 0):.3f} in the update), compiling "
+            f"{m.get('spot/compile_seconds', 0):.1f} s)"))
+    load_after = os.getloadavg()
     timed = {k: [r for r in v if r["step"] > args.skip] or v for k, v in hist.items()}
     mean = lambda rows, key: float(statistics.fmean(r.get(key, 0.0) for r in rows))  # noqa: E731
     summary = {name: {
@@ -67,18 +75,33 @@ def main(argv=None):
         "idle_device_s": mean(rows, "controller/idle_device_seconds"),
         "idle_device_s_left": mean(rows, "controller/idle_device_seconds_spot"),
         "spot_updates_per_step": mean(rows, "spot/steps"), "stop_latency_s": mean(rows, "controller/stop_latency"),
+        "max_stop_latency_s": max(r.get("controller/stop_latency", 0.0) for r in rows),
+        "spot_update_s": mean([r for r in rows if r.get("spot/steps")] or rows, "spot/update_seconds"),
+        "spot_compile_s": mean(rows, "spot/compile_seconds"), "spot_compile_waits": mean(rows, "spot/compile_waits"),
+        "stop_in_update_s": mean(rows, "spot/stop_in_update"), "stop_after_update_s": mean(rows, "spot/stop_after_update"),
+        "mean_update_s": mean(rows, "time/update"),
     } for name, rows in timed.items()}
     losses = [(r["step"], r["spot/loss_first"], r["spot/loss_last"]) for r in hist["spot"] if "spot/loss_first" in r]
     s, i = summary["spot"], summary["idle"]
     step_ratio, rollout_ratio = s["mean_step_s"] / i["mean_step_s"], s["mean_rollout_s"] / i["mean_rollout_s"]
+    # the same step of both arms has the same rollout and update shapes: its ratio cancels what the steps share
+    paired = statistics.median(a["time/step"] / b["time/step"] for a, b in zip(timed["spot"], timed["idle"]))
+    d_step, d_rollout = s["mean_step_s"] - i["mean_step_s"], s["mean_rollout_s"] - i["mean_rollout_s"]
     print(f"\nstep time: spot training {s['mean_step_s']:.2f} s vs idle {i['mean_step_s']:.2f} s -> "
-          f"{100 * (step_ratio - 1):+.1f}% (rollout {100 * (rollout_ratio - 1):+.1f}%); idle device-seconds per step "
-          f"{i['idle_device_s']:.2f} -> {s['idle_device_s_left']:.2f} left idle with {s['spot_updates_per_step']:.1f} "
-          f"spot updates per step")
+          f"{100 * (step_ratio - 1):+.1f}% (median of the steps' ratios {100 * (paired - 1):+.1f}%; rollout "
+          f"{100 * (rollout_ratio - 1):+.1f}%); idle device-seconds per step {i['idle_device_s']:.2f} -> "
+          f"{s['idle_device_s_left']:.2f} left idle with {s['spot_updates_per_step']:.1f} spot updates per step")
+    print(f"step-time difference {d_step:+.2f} s = rollout {d_rollout:+.2f} s + stop latency "
+          f"{s['stop_latency_s']:.3f} s (max {s['max_stop_latency_s']:.3f} s; in the update in flight "
+          f"{s['stop_in_update_s']:.3f} s, after it {s['stop_after_update_s']:.3f} s; a spot update takes "
+          f"{s['spot_update_s']:.2f} s) + the rest {d_step - d_rollout - s['stop_latency_s']:+.2f} s; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     if losses:
         print(f"drafter loss: {losses[0][1]:.3f} (first spot update) -> {losses[-1][2]:.3f} (last)")
     common.write_json({"benchmark": "spot_training", "machine": common.machine(), "args": vars(args),
-                       "summary": summary, "step_time_ratio": step_ratio, "rollout_time_ratio": rollout_ratio,
+                       "load_average": {"before": load_before, "after": load_after}, "summary": summary,
+                       "step_time_ratio": step_ratio, "step_time_ratio_median": paired,
+                       "rollout_time_ratio": rollout_ratio,
                        "drafter_loss": losses, "history": hist}, args.out)
     return np.isfinite(step_ratio)
 

@@ -103,6 +103,11 @@ def get_config() -> ConfigDict:
     config.rl.drafter_init = "offline"  # offline (the train_drafter job's, cached) | scratch
     config.rl.drafter_steps = 2  # online drafter updates per RL step, on that step's rollouts
     config.rl.drafter_batch = 16  # packed rows of drafter.seq_len entries per inline update
+    # The online drafter's own optimiser (inline and spot updates): it refines a trained drafter, so a
+    # lower peak lr than drafter.lr, reached by a linear warm-up over this many updates (a fresh Adam
+    # state's first steps are full-size: without it the first updates undo part of the warm start).
+    config.rl.drafter_lr = 1e-3
+    config.rl.drafter_warmup_steps = 10
     # Drafter data: the rollouts' own target features (no extra forward pass), in a ring buffer.
     config.rl.buffer_tokens = 65536  # entries (token + feature) the ring holds
     config.rl.buffer_steps = 4  # train on windows of the last N RL steps' rollouts

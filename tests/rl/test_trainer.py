@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +193,43 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_metrics(tmp_path, c
         for k in a:
             if not k.startswith(TIMING):
                 assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("drafter_lr=0", "config.rl.drafter_lr=0.0 must be > 0"),
+    ("drafter_warmup_steps=-1", "config.rl.drafter_warmup_steps=-1 must be >= 0"),
+])
+def test_bad_online_drafter_settings_are_refused_by_name(override, message):
+    """check_config refuses an online drafter lr <= 0 or a negative warm-up, naming the field."""
+    from tltjax.config import ConfigError
+    from tltjax.rl.trainer import check_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_config(load_config(MICRO, [f"--config.rl.{override}"]))
+
+
+def test_online_drafter_optimiser_warms_up_to_its_own_lr(tmp_path, cache_dir):
+    """The online drafter's optimiser takes rl.drafter_lr (not the offline drafter.lr) and warms up over
+    rl.drafter_warmup_steps updates: its first update is zero, so a fresh Adam state never jolts the
+    warm-started drafter. (Constant gradients: each Adam update is the schedule's lr.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from tltjax.rl.trainer import Trainer
+
+    cfg = micro_config(tmp_path / "run", cache_dir, "--config.rl.drafter_lr=0.002",
+                       "--config.rl.drafter_warmup_steps=4", "--config.drafter.lr=0.1")
+    trainer = Trainer(cfg, log_fn=lambda *a: None)
+    try:
+        state = trainer.drafter_state
+        grads = jax.tree.map(jnp.ones_like, state.params)
+        opt, sizes = state.tx.init(state.params), []
+        for _ in range(5):
+            upd, opt = state.tx.update(grads, opt, state.params)
+            sizes.append(max(float(jnp.abs(u).max()) for u in jax.tree.leaves(upd)))
+    finally:
+        trainer.close()
+    assert sizes == pytest.approx([0.0, 0.0005, 0.001, 0.0015, 0.002], rel=1e-3, abs=1e-9)
 
 
 def test_update_rows_hold_the_kept_rows_in_few_shapes():

@@ -3,7 +3,8 @@
 - `partition`: rollout replicas as sub-meshes of one host's devices (`Replica`, `partition_devices`).
 - `replica`: the per-replica state machine ROLLOUT → IDLE → DRAFT_TRAIN → ROLLOUT and its log.
 - `spot`: the spot trainer: drafter updates, data parallel over whichever replicas are idle,
-  one compiled program per training-mesh size.
+  one compiled program per training-mesh size, compiled off the critical path.
+- `programs`: a program compiled once per mesh size and rebound to any devices of that size.
 - `controller`: one RL step's rollout over the replicas, handing finished replicas' devices
   to the spot trainer until the last replica finishes.
 """

@@ -103,6 +103,11 @@ class Controller:
         """The devices of the replicas now in DRAFT_TRAIN, in replica order."""
         return tuple(d for i in self.log.in_phase(Phase.DRAFT_TRAIN) for d in self.replicas[i].devices)
 
+    def training_meshes(self) -> list[tuple]:
+        """One device set per training-mesh size the spot trainer can be handed: the first k replicas'
+        devices for k = 1 .. replicas - 1 (the last replica to finish never trains)."""
+        return [tuple(d for r in self.replicas[:k] for d in r.devices) for k in range(1, len(self.replicas))]
+
     def rollout(
         self,
         step: int,
@@ -136,7 +141,8 @@ class Controller:
         if self.spot is not None and drafter_state is None:
             raise ValueError("a controller with a spot trainer needs drafter_state (and target_params)")
         if spot is not None:
-            spot.start(drafter_state, target_params, self.training_devices, step=step)
+            spot.start(drafter_state, target_params, self.training_devices, step=step,
+                       device_sets=self.training_meshes())
 
         def work(r: int) -> None:
             local = shares[r]

@@ -3,27 +3,45 @@
 It runs in a thread of its own while the other replicas still decode. Before each
 update it asks which devices are free (the replicas in DRAFT_TRAIN), lays them out
 as a 1-D ``data`` mesh, moves the drafter state there (replicated) and shards the
-batch's rows over it, so the training mesh grows as replicas go idle. The update is
-one jitted program per training mesh (XLA caches it; the persistent compilation
-cache makes that one per mesh *size* on GPU, where it ignores which devices).
+batch's rows over it, so the training mesh grows as replicas go idle.
 
-It stops at an update boundary: `stop` waits for the update in flight, never
-more. On a CPU, where "devices" share the same cores, the thread runs at the
-lowest scheduling priority (``nice``) so that it takes only the cycles the
-rollout leaves idle, as idle accelerators would.
+The update is one program per training-mesh *size* (`MeshPrograms`), compiled
+once, off the critical path: from the first batch on, a compiler thread builds
+the program of every mesh size the controller can hand over, and any other set
+of devices of a compiled size runs a rebinding of it (milliseconds, no
+compilation). Until the program for the free devices' size is ready the trainer
+uses the largest compiled size they hold, or waits. `warmup` compiles them
+ahead of time instead.
+
+It stops at an update boundary: `stop` waits for the update in flight (placing
+its inputs, running it), never for a compilation.
+
+Priorities. Only XLA's compilations run at a low scheduling priority (``nice``,
+on a thread of their own: they do not hold the GIL). The trainer's thread and the
+tracing before a compilation hold the GIL while they run Python; at a low
+priority on a busy host they would be preempted holding it and stall every
+other thread of the process, the rollout's schedulers and the step boundary
+included. The update's device computation runs where the backend runs every
+computation: on a CPU, in XLA's worker threads at normal priority, competing
+with the rollout for the cores whatever the priority of the thread that
+launched it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
+
+from tltjax.controller.programs import MeshPrograms
 
 
 @dataclasses.dataclass
@@ -36,7 +54,17 @@ class SpotStats:
     metrics: list = dataclasses.field(default_factory=list)
     mesh_sizes: list = dataclasses.field(default_factory=list)  # devices per update
     starved: int = 0  # times it had devices but no data yet
+    compile_waits: int = 0  # times it had devices and data but no compiled program for them yet
+    compiles: list = dataclasses.field(default_factory=list)  # (mesh size, seconds) finished since the last stop
+    stop_requested: float = 0.0  # clock when `stop` was called
+    stopped: float = 0.0  # clock when it returned
     error: str = ""
+
+    def stop_wait(self) -> tuple[float, float]:
+        """What `stop` waited for: (the rest of the update in flight, the thread's wind-down after it)."""
+        last_end = max((b for _, b, _ in self.intervals), default=0.0)
+        in_update = max(0.0, last_end - self.stop_requested)
+        return in_update, max(0.0, self.stopped - max(last_end, self.stop_requested))
 
     @property
     def device_seconds(self) -> float:
@@ -44,7 +72,10 @@ class SpotStats:
 
     def summary(self) -> dict[str, float]:
         out = {"steps": float(self.steps), "device_seconds": self.device_seconds,
-               "max_mesh": float(max(self.mesh_sizes, default=0))}
+               "max_mesh": float(max(self.mesh_sizes, default=0)), "compile_waits": float(self.compile_waits),
+               "compile_seconds": float(sum(s for _, s in self.compiles)),
+               "update_seconds": float(np.mean([b - a for a, b, _ in self.intervals])) if self.intervals else 0.0}
+        out["stop_in_update"], out["stop_after_update"] = self.stop_wait()
         if self.losses:
             out["loss_first"], out["loss_last"] = float(self.losses[0]), float(self.losses[-1])
         for k in ("top1", "reg", "ce"):
@@ -54,13 +85,33 @@ class SpotStats:
         return out
 
 
+def row_template(batch):
+    """One row of ``batch`` (every leaf has a leading row axis): its leaves' shapes without that axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), batch)
+
+
+def with_rows(template, rows: int):
+    """The `jax.ShapeDtypeStruct`s of a batch of ``rows`` rows like ``template``'s (see `row_template`)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), template)
+
+
+def _lower_priority(nice: int | None) -> None:
+    if nice is not None and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass  # a priority is a courtesy, not a requirement
+
+
 class SpotTrainer:
     """Runs ``update_fn(state, target_params, batch) -> (state, metrics)`` on whatever devices are free.
 
-    ``sample_batch(rng, rows)`` returns a host batch (a pytree of numpy arrays with
-    ``rows`` rows) or None while there is no data. ``rows_per_device`` rows per
-    training device: the global batch grows with the mesh, each device's share does
-    not. ``max_steps`` caps updates per RL step (None: as many as the tail allows).
+    ``update_fn`` is a `jax.jit` function (or is jitted here). ``sample_batch(rng, rows)``
+    returns a host batch (a pytree of numpy arrays with ``rows`` rows) or None while
+    there is no data. ``rows_per_device`` rows per training device: the global batch
+    grows with the mesh, each device's share, and so an update's duration, does not.
+    ``max_steps`` caps updates per RL step (None: as many as the tail allows). ``nice``: the
+    scheduling priority of the background compilations (None: unchanged).
     """
 
     def __init__(
@@ -76,18 +127,79 @@ class SpotTrainer:
     ):
         if rows_per_device < 1:
             raise ValueError(f"rows_per_device={rows_per_device} must be >= 1")
-        self.update_fn, self.sample_batch = update_fn, sample_batch
+        self.sample_batch = sample_batch
         self.rows_per_device, self.seed, self.nice, self.max_steps = rows_per_device, seed, nice, max_steps
         self.clock = clock
+        self.programs = MeshPrograms(update_fn, (P(), P(), P("data")))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._meshes: dict[tuple, Mesh] = {}
         self._targets: dict[tuple, object] = {}
+        self._template = None  # one batch row's shapes, known from the first batch
+        self._device_sets: tuple = ()
+        self._requested: set = set()  # mesh sizes (or device ids) handed to the compiler thread
+        self._jobs: queue.Queue = queue.Queue()
+        self._compiler: threading.Thread | None = None
+        self._compile_error = ""
+        self._compiled: list = []  # (mesh size, seconds) of background compilations not yet reported
+        self.stats = SpotStats()
+
+    # ------------------------------------------------------------------ compiling
+    def warmup(self, state, target_params, batch, device_sets: Sequence[Sequence]) -> None:
+        """Compiles the update for the size of every set in ``device_sets`` now, for batches shaped like
+        ``batch`` (any number of rows) and the given state and target (arrays or `ShapeDtypeStruct`s)."""
+        self._template = row_template(batch)
+        for devices in device_sets:
+            if len(devices) not in self.programs.sizes:
+                self.programs.compile(devices, state, target_params,
+                                      with_rows(self._template, self.rows_per_device * len(devices)))
+                self._requested.add(len(devices))
+
+    def _request(self, free: tuple) -> None:
+        """Hands the compilations still missing to the compiler thread: one per mesh size of ``free`` and of
+        the controller's device sets, and ``free`` itself where its size's program cannot be rebound."""
+        spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the arrays may be donated meanwhile
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False)), tree)
+        jobs = [(len(d), d) for d in (free, *self._device_sets)]
+        if len(free) in self.programs.sizes and self.programs.get(free) is None:
+            jobs.append((tuple(d.id for d in free), free))
+        for key, devices in jobs:
+            if key in self._requested:
+                continue
+            self._requested.add(key)
+            self._jobs.put((tuple(devices), spec(self.state), spec(self._target_params),
+                            with_rows(self._template, self.rows_per_device * len(devices))))
+        if self._compiler is None and not self._jobs.empty():
+            self._compiler = threading.Thread(target=self._compile_loop, name="spot-compiler", daemon=True)
+            self._compiler.start()
+
+    def _compile_loop(self) -> None:
+        xla = ThreadPoolExecutor(1, "spot-xla-compile", initializer=_lower_priority, initargs=(self.nice,))
+        while True:
+            devices, *args = self._jobs.get()
+            try:
+                self.programs.compile(devices, *args, run=lambda compile_fn: xla.submit(compile_fn).result())
+                self._compiled.append((len(devices), self.programs.compile_seconds[tuple(d.id for d in devices)]))
+            except Exception as e:  # noqa: BLE001 - surfaced by the next stop()
+                self._compile_error = f"compiling the update for {len(devices)} devices: {type(e).__name__}: {e}"
+            self._wake.set()
+
+    def _program(self, free: tuple):
+        """(devices, program) for the largest compiled mesh size that ``free`` holds (its first devices), or None."""
+        for size in sorted((s for s in self.programs.sizes if s <= len(free)), reverse=True):
+            program = self.programs.get(free[:size])
+            if program is not None:
+                return free[:size], program
+        return None
 
     # ------------------------------------------------------------------ thread control
-    def start(self, state, target_params, devices_fn: Callable[[], Sequence], step: int = 0) -> None:
-        """Starts training ``state`` in the background; ``devices_fn()`` names the free devices (maybe none)."""
+    def start(self, state, target_params, devices_fn: Callable[[], Sequence], step: int = 0,
+              device_sets: Sequence[Sequence] = ()) -> None:
+        """Starts training ``state`` in the background; ``devices_fn()`` names the free devices (maybe none).
+
+        ``device_sets``: the training meshes the controller may hand over (one per size is enough);
+        their programs are compiled in the background once the first batch shows its shapes.
+        """
         if self._thread is not None:
             raise RuntimeError("the spot trainer is already running; call stop() first")
         self._stop.clear()
@@ -95,6 +207,7 @@ class SpotTrainer:
         self._targets = {}
         self.state, self.stats = state, SpotStats()
         self._target_params, self._devices_fn = target_params, devices_fn
+        self._device_sets = tuple(tuple(s) for s in device_sets)
         self._rng = np.random.default_rng([self.seed, step])
         self._thread = threading.Thread(target=self._loop, name="spot-trainer", daemon=True)
         self._thread.start()
@@ -107,52 +220,68 @@ class SpotTrainer:
         """Stops at the next update boundary; returns (state, `SpotStats`). Errors inside are re-raised."""
         if self._thread is None:
             raise RuntimeError("the spot trainer is not running")
+        self.stats.stop_requested = self.clock()
         self._stop.set()
         self._wake.set()
         self._thread.join()
         self._thread = None
-        if self.stats.error:
-            raise RuntimeError(f"spot training failed: {self.stats.error}")
+        self.stats.stopped = self.clock()
+        while self._compiled:  # (the compiler thread may append meanwhile: pop is atomic)
+            self.stats.compiles.append(self._compiled.pop(0))
+        error = self.stats.error or self._compile_error
+        self._compile_error = ""
+        if error:
+            raise RuntimeError(f"spot training failed: {error}")
         return self.state, self.stats
 
     # ------------------------------------------------------------------ the loop
+    def _idle(self) -> None:
+        self._wake.wait(0.05)
+        self._wake.clear()
+
     def _loop(self) -> None:
-        if self.nice is not None and hasattr(os, "setpriority"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-            except OSError:
-                pass  # a priority is a courtesy, not a requirement
         try:
             while not self._stop.is_set():
                 if self.max_steps is not None and self.stats.steps >= self.max_steps:
                     return
-                devices = tuple(self._devices_fn())
-                if not devices:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                free = tuple(self._devices_fn())
+                if not free:
+                    self._idle()
                     continue
+                if self._template is None:  # the first batch ever: its shapes are what the programs take
+                    batch = self.sample_batch(self._rng, self.rows_per_device)
+                    if batch is None:
+                        self.stats.starved += 1
+                        self._idle()
+                        continue
+                    self._template = row_template(batch)
+                self._request(free)
+                got = self._program(free)
+                if got is None:
+                    self.stats.compile_waits += 1
+                    self._idle()
+                    continue
+                devices, program = got
                 batch = self.sample_batch(self._rng, self.rows_per_device * len(devices))
                 if batch is None:
                     self.stats.starved += 1
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                    self._idle()
                     continue
-                self._update(devices, batch)
+                self._update(devices, program, batch)
         except Exception as e:  # surfaced by stop(); the rollout threads are not disturbed
             self.stats.error = f"{type(e).__name__}: {e}"
 
-    def _update(self, devices: tuple, batch) -> None:
+    def _update(self, devices: tuple, program, batch) -> None:
         key = tuple(d.id for d in devices)
-        mesh = self._meshes.get(key)
-        if mesh is None:
-            mesh = self._meshes[key] = Mesh(np.asarray(devices), ("data",))
-        replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        if key not in self._targets:
-            self._targets[key] = jax.device_put(self._target_params, replicated)
         t0 = self.clock()
+        replicated, target_sharding, rows = self.programs.shardings(devices)
+        if key not in self._targets:
+            self._targets[key] = jax.device_put(self._target_params, target_sharding)
         state = jax.device_put(self.state, replicated)
         batch = jax.device_put(batch, rows)
-        state, metrics = self.update_fn(state, self._targets[key], batch)
+        if self._stop.is_set():  # the rollout ended while the inputs were placed: not worth an update
+            return
+        state, metrics = program(state, self._targets[key], batch)
         metrics = jax.device_get(metrics)  # waits for the update: the interval is its real span
         t1 = self.clock()
         self.state = state

@@ -198,7 +198,8 @@ class Trainer:
                 nnx.update(module, multihost_utils.broadcast_one_to_all(nnx.state(module)))
         ctl = config.controller
         updates_per_step = max(rl.drafter_steps, ctl.spot_max_steps or 64)
-        dtx = sft.make_optimizer(config.drafter.lr, max(rl.steps * updates_per_step, 1), 0, 0.0, 1.0)
+        dtx = sft.make_optimizer(rl.drafter_lr, max(rl.steps * updates_per_step, 1), rl.drafter_warmup_steps,
+                                 0.0, 1.0)
         self.drafter_state = DrafterTrainState.create(drafter, policy, dtx, ce_weight=config.drafter.ce_weight)
         self.train_drafter = not rl.baseline  # the baseline is the system without speculation or drafter
         from tltjax.drafter.buffer import DrafterBuffer
@@ -691,6 +692,8 @@ class Trainer:
             "eval_sampled_accuracy_start": acc_start[1], "eval_sampled_accuracy_end": acc_end[1],
             "train_accuracy_first3": mean(first, "accuracy"), "train_accuracy_last3": mean(last, "accuracy"),
             "reward_first3": mean(first, "reward/mean"), "reward_last3": mean(last, "reward/mean"),
+            # the whole curve's trend (a step's prompts differ in difficulty, so 3 steps are noisy)
+            "reward_trend": ml.trend([r["reward/mean"] for r in records]),
             "mean_step_seconds": mean(records, "time/step"), "mean_rollout_seconds": mean(records, "time/rollout"),
             "rollout_share": mean(records, "time/rollout") / max(mean(records, "time/step"), 1e-9),
             "mean_accept_length": mean([r for r in records if r.get("rollout/accept_length")], "rollout/accept_length"),
@@ -701,7 +704,8 @@ class Trainer:
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.log(f"rl: {summary['steps']} steps in {wall:.0f} s; held-out accuracy: greedy {acc_start[0]:.1%} -> "
                  f"{acc_end[0]:.1%}, sampled {acc_start[1]:.1%} -> {acc_end[1]:.1%}; train accuracy {summary['train_accuracy_first3']:.1%} (first 3 steps) -> "
-                 f"{summary['train_accuracy_last3']:.1%} (last 3); rollout {summary['rollout_share']:.0%} of step time; "
+                 f"{summary['train_accuracy_last3']:.1%} (last 3); reward {summary['reward_trend']['first_half']:.3f} "
+                 f"(first half) -> {summary['reward_trend']['second_half']:.3f} (second half); rollout {summary['rollout_share']:.0%} of step time; "
                  f"wrote {self.workdir / 'summary.json'}" + (f" and {len(plots)} plots" if plots else ""))
         return summary
 
@@ -783,6 +787,8 @@ def check_config(config: ConfigDict) -> None:
          f"must hold at least two training rows (2 * drafter.seq_len = {2 * config.drafter.seq_len})"),
         ("buffer_steps", rl.buffer_steps >= 1, "must be >= 1"),
         ("drafter_window", rl.drafter_window >= 2, "must be >= 2"),
+        ("drafter_lr", rl.drafter_lr > 0, "must be > 0"),
+        ("drafter_warmup_steps", rl.drafter_warmup_steps >= 0, "must be >= 0 (0: full lr from the first update)"),
     ]
     for name, ok, why in rules:
         if not ok:

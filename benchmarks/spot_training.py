@@ -65,8 +65,9 @@ def main(argv=None):
             f"{m['time/step']:6.2f} s (rollout {m['time/rollout']:6.2f} s, idle "
             f"{m['controller/idle_device_seconds']:6.2f} dev-s, left idle {m['controller/idle_device_seconds_spot']:6.2f}, "
             f"spot updates {m.get('spot/steps', 0):.0f} of {m.get('spot/update_seconds', 0):.2f} s, stop latency "
-            f"{m['controller/stop_latency']:.3f} s ({m.get('spot/stop_in_update', 0):.3f} in the update), compiling "
-            f"{m.get('spot/compile_seconds', 0):.1f} s)"))
+            f"{m['controller/stop_latency']:.3f} s (" + ", ".join(
+                f"{v:.3f} {k.removeprefix('spot/stop_')}" for k, v in m.items() if k.startswith("spot/stop_while_"))
+            + f"), compiling {m.get('spot/compile_seconds', 0):.1f} s)"))
     load_after = os.getloadavg()
     timed = {k: [r for r in v if r["step"] > args.skip] or v for k, v in hist.items()}
     mean = lambda rows, key: float(statistics.fmean(r.get(key, 0.0) for r in rows))  # noqa: E731
@@ -80,6 +81,11 @@ def main(argv=None):
         "spot_compile_s": mean(rows, "spot/compile_seconds"), "spot_compile_waits": mean(rows, "spot/compile_waits"),
         "stop_in_update_s": mean(rows, "spot/stop_in_update"), "stop_after_update_s": mean(rows, "spot/stop_after_update"),
         "mean_update_s": mean(rows, "time/update"),
+        # the spot trainer's loop: seconds per phase and step; what the stops waited for, by phase
+        "spot_phase_s": {k.removeprefix("spot/seconds_"): mean(rows, k) for k in sorted(
+            {k for r in rows for k in r if k.startswith("spot/seconds_")})},
+        "stop_while": {k.removeprefix("spot/stop_while_"): [r[k] for r in rows if k in r] for k in sorted(
+            {k for r in rows for k in r if k.startswith("spot/stop_while_")})},
     } for name, rows in timed.items()}
     losses = [(r["step"], r["spot/loss_first"], r["spot/loss_last"]) for r in hist["spot"] if "spot/loss_first" in r]
     s, i = summary["spot"], summary["idle"]

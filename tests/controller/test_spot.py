@@ -196,3 +196,19 @@ def test_stop_waits_for_the_update_in_flight_and_no_more():
     assert t_back - max(last_end, t_stop) < 0.25
     assert st.stop_wait()[1] < 0.25
     assert int(state["n"]) == st.steps and set(st.mesh_sizes) == {2}
+
+
+def test_the_controller_names_every_training_mesh():
+    """Four replicas of two devices: the trainer can be handed any proper subset of them (14 sets, smallest
+    first, devices in replica order, never all four); with more replicas than ``max_replicas`` only the
+    first k replicas' devices for each k."""
+    from tltjax.controller import partition_devices
+    from tltjax.controller.controller import Controller
+
+    replicas = partition_devices(jax.devices(), 2)
+    sets = Controller(replicas, [None] * 4).training_meshes()
+    assert len(sets) == 14 == len(set(sets)) and [len(s) for s in sets] == sorted(len(s) for s in sets)
+    assert sets[0] == replicas[0].devices and max(len(s) for s in sets) == 6
+    assert all([d.id for d in s] == sorted(d.id for d in s) for s in sets)
+    assert Controller(replicas, [None] * 4).training_meshes(max_replicas=3) == [
+        tuple(d for r in replicas[:k] for d in r.devices) for k in (1, 2, 3)]

@@ -14,6 +14,7 @@ replicas' engines and the trainer's jitted update do all device work.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -103,10 +104,16 @@ class Controller:
         """The devices of the replicas now in DRAFT_TRAIN, in replica order."""
         return tuple(d for i in self.log.in_phase(Phase.DRAFT_TRAIN) for d in self.replicas[i].devices)
 
-    def training_meshes(self) -> list[tuple]:
-        """One device set per training-mesh size the spot trainer can be handed: the first k replicas'
-        devices for k = 1 .. replicas - 1 (the last replica to finish never trains)."""
-        return [tuple(d for r in self.replicas[:k] for d in r.devices) for k in range(1, len(self.replicas))]
+    def training_meshes(self, max_replicas: int = 8) -> list[tuple]:
+        """The device sets the spot trainer can be handed, smallest first: the devices of every proper
+        subset of the replicas (the last to finish never trains), in replica order; with more than
+        ``max_replicas`` replicas (2^replicas sets) only the first k replicas' for each k."""
+        n = len(self.replicas)
+        if n > max_replicas:
+            subsets = [range(k) for k in range(1, n)]
+        else:
+            subsets = [c for k in range(1, n) for c in itertools.combinations(range(n), k)]
+        return [tuple(d for i in c for d in self.replicas[i].devices) for c in subsets]
 
     def rollout(
         self,

@@ -7,11 +7,11 @@ batch's rows over it, so the training mesh grows as replicas go idle.
 
 The update is one program per training-mesh *size* (`MeshPrograms`), compiled
 once, off the critical path: from the first batch on, a compiler thread builds
-the program of every mesh size the controller can hand over, and any other set
-of devices of a compiled size runs a rebinding of it (milliseconds, no
-compilation). Until the program for the free devices' size is ready the trainer
-uses the largest compiled size they hold, or waits. `warmup` compiles them
-ahead of time instead.
+the program of every mesh size the controller can hand over, then rebinds it to
+every device set the controller named (milliseconds each, no compilation), so
+that the trainer's loop only looks programs up. Until the program for the free
+devices' size is ready the trainer uses the largest compiled size they hold, or
+waits. `warmup` compiles them ahead of time instead.
 
 It stops at an update boundary: `stop` waits for the update in flight (placing
 its inputs, running it), never for a compilation.
@@ -57,6 +57,8 @@ class SpotStats:
     compile_waits: int = 0  # times it had devices and data but no compiled program for them yet
     compiles: list = dataclasses.field(default_factory=list)  # (mesh size, seconds) finished since the last stop
     stop_requested: float = 0.0  # clock when `stop` was called
+    stop_phase: str = ""  # what the trainer was doing then (see `SpotTrainer._enter`)
+    phase_seconds: dict = dataclasses.field(default_factory=dict)  # seconds per phase of the trainer's loop
     stopped: float = 0.0  # clock when it returned
     error: str = ""
 
@@ -76,6 +78,9 @@ class SpotStats:
                "compile_seconds": float(sum(s for _, s in self.compiles)),
                "update_seconds": float(np.mean([b - a for a, b, _ in self.intervals])) if self.intervals else 0.0}
         out["stop_in_update"], out["stop_after_update"] = self.stop_wait()
+        out.update({f"seconds_{k}": v for k, v in self.phase_seconds.items()})
+        if self.stop_phase:  # how long the stop waited, under what the trainer was doing when it came
+            out[f"stop_while_{self.stop_phase}"] = self.stopped - self.stop_requested
         if self.losses:
             out["loss_first"], out["loss_last"] = float(self.losses[0]), float(self.losses[-1])
         for k in ("top1", "reg", "ce"):
@@ -137,38 +142,43 @@ class SpotTrainer:
         self._targets: dict[tuple, object] = {}
         self._template = None  # one batch row's shapes, known from the first batch
         self._device_sets: tuple = ()
-        self._requested: set = set()  # mesh sizes (or device ids) handed to the compiler thread
+        self._asked = False  # whether `_device_sets` went to the compiler thread
+        self._requested: set = set()  # mesh sizes and device-id tuples handed to the compiler thread
         self._jobs: queue.Queue = queue.Queue()
         self._compiler: threading.Thread | None = None
         self._compile_error = ""
         self._compiled: list = []  # (mesh size, seconds) of background compilations not yet reported
+        self._phase, self._since = "stopped", 0.0
         self.stats = SpotStats()
 
     # ------------------------------------------------------------------ compiling
     def warmup(self, state, target_params, batch, device_sets: Sequence[Sequence]) -> None:
-        """Compiles the update for the size of every set in ``device_sets`` now, for batches shaped like
-        ``batch`` (any number of rows) and the given state and target (arrays or `ShapeDtypeStruct`s)."""
+        """Readies the update for every set in ``device_sets`` now (one compilation per size, rebindings for
+        the rest), for batches shaped like ``batch`` (any number of rows) and the given state and target
+        (arrays or `ShapeDtypeStruct`s)."""
         self._template = row_template(batch)
         for devices in device_sets:
-            if len(devices) not in self.programs.sizes:
+            if self.programs.get(devices) is None:
                 self.programs.compile(devices, state, target_params,
                                       with_rows(self._template, self.rows_per_device * len(devices)))
-                self._requested.add(len(devices))
+            self._requested |= {len(devices), tuple(d.id for d in devices)}
 
     def _request(self, free: tuple) -> None:
-        """Hands the compilations still missing to the compiler thread: one per mesh size of ``free`` and of
-        the controller's device sets, and ``free`` itself where its size's program cannot be rebound."""
+        """Hands what is still missing to the compiler thread: a compilation per mesh size (of ``free`` first),
+        then a program for ``free`` and every device set the controller named (a rebinding where the size's
+        program allows it, else a compilation), so that the loop finds them ready."""
+        sets = (free,) if self._asked else (free, *self._device_sets)
+        self._asked = True
         spec = lambda tree: jax.tree.map(  # noqa: E731 - shapes only: the arrays may be donated meanwhile
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False)), tree)
-        jobs = [(len(d), d) for d in (free, *self._device_sets)]
-        if len(free) in self.programs.sizes and self.programs.get(free) is None:
-            jobs.append((tuple(d.id for d in free), free))
-        for key, devices in jobs:
-            if key in self._requested:
-                continue
-            self._requested.add(key)
-            self._jobs.put((tuple(devices), spec(self.state), spec(self._target_params),
-                            with_rows(self._template, self.rows_per_device * len(devices))))
+        for key_of in (len, lambda d: tuple(x.id for x in d)):  # sizes first, then device sets
+            for devices in sets:
+                key = key_of(devices)
+                if key in self._requested:
+                    continue
+                self._requested.add(key)
+                self._jobs.put((tuple(devices), spec(self.state), spec(self._target_params),
+                                with_rows(self._template, self.rows_per_device * len(devices))))
         if self._compiler is None and not self._jobs.empty():
             self._compiler = threading.Thread(target=self._compile_loop, name="spot-compiler", daemon=True)
             self._compiler.start()
@@ -178,8 +188,9 @@ class SpotTrainer:
         while True:
             devices, *args = self._jobs.get()
             try:
-                self.programs.compile(devices, *args, run=lambda compile_fn: xla.submit(compile_fn).result())
-                self._compiled.append((len(devices), self.programs.compile_seconds[tuple(d.id for d in devices)]))
+                if self.programs.get(devices) is None:  # (a rebinding when its size is compiled)
+                    self.programs.compile(devices, *args, run=lambda compile_fn: xla.submit(compile_fn).result())
+                    self._compiled.append((len(devices), self.programs.compile_seconds[tuple(d.id for d in devices)]))
             except Exception as e:  # noqa: BLE001 - surfaced by the next stop()
                 self._compile_error = f"compiling the update for {len(devices)} devices: {type(e).__name__}: {e}"
             self._wake.set()
@@ -206,8 +217,10 @@ class SpotTrainer:
         self._wake.clear()
         self._targets = {}
         self.state, self.stats = state, SpotStats()
+        self._phase, self._since = "starting", self.clock()
         self._target_params, self._devices_fn = target_params, devices_fn
-        self._device_sets = tuple(tuple(s) for s in device_sets)
+        if tuple(tuple(s) for s in device_sets) != self._device_sets:
+            self._device_sets, self._asked = tuple(tuple(s) for s in device_sets), False
         self._rng = np.random.default_rng([self.seed, step])
         self._thread = threading.Thread(target=self._loop, name="spot-trainer", daemon=True)
         self._thread.start()
@@ -220,12 +233,13 @@ class SpotTrainer:
         """Stops at the next update boundary; returns (state, `SpotStats`). Errors inside are re-raised."""
         if self._thread is None:
             raise RuntimeError("the spot trainer is not running")
-        self.stats.stop_requested = self.clock()
+        self.stats.stop_requested, self.stats.stop_phase = self.clock(), self._phase
         self._stop.set()
         self._wake.set()
         self._thread.join()
         self._thread = None
         self.stats.stopped = self.clock()
+        self._enter("stopped")
         while self._compiled:  # (the compiler thread may append meanwhile: pop is atomic)
             self.stats.compiles.append(self._compiled.pop(0))
         error = self.stats.error or self._compile_error
@@ -235,7 +249,15 @@ class SpotTrainer:
         return self.state, self.stats
 
     # ------------------------------------------------------------------ the loop
+    def _enter(self, phase: str) -> None:
+        """Notes that the trainer's loop now does ``phase`` (waiting, sampling, binding, placing, updating)."""
+        now = self.clock()
+        if self._phase != "stopped":
+            self.stats.phase_seconds[self._phase] = self.stats.phase_seconds.get(self._phase, 0.0) + now - self._since
+        self._phase, self._since = phase, now
+
     def _idle(self) -> None:
+        self._enter("waiting")
         self._wake.wait(0.05)
         self._wake.clear()
 
@@ -249,12 +271,14 @@ class SpotTrainer:
                     self._idle()
                     continue
                 if self._template is None:  # the first batch ever: its shapes are what the programs take
+                    self._enter("sampling")
                     batch = self.sample_batch(self._rng, self.rows_per_device)
                     if batch is None:
                         self.stats.starved += 1
                         self._idle()
                         continue
                     self._template = row_template(batch)
+                self._enter("binding")
                 self._request(free)
                 got = self._program(free)
                 if got is None:
@@ -262,6 +286,7 @@ class SpotTrainer:
                     self._idle()
                     continue
                 devices, program = got
+                self._enter("sampling")
                 batch = self.sample_batch(self._rng, self.rows_per_device * len(devices))
                 if batch is None:
                     self.stats.starved += 1
@@ -273,6 +298,7 @@ class SpotTrainer:
 
     def _update(self, devices: tuple, program, batch) -> None:
         key = tuple(d.id for d in devices)
+        self._enter("placing")
         t0 = self.clock()
         replicated, target_sharding, rows = self.programs.shardings(devices)
         if key not in self._targets:
@@ -281,6 +307,7 @@ class SpotTrainer:
         batch = jax.device_put(batch, rows)
         if self._stop.is_set():  # the rollout ended while the inputs were placed: not worth an update
             return
+        self._enter("updating")
         state, metrics = program(state, self._targets[key], batch)
         metrics = jax.device_get(metrics)  # waits for the update: the interval is its real span
         t1 = self.clock()

@@ -129,7 +129,7 @@ def get_config() -> ConfigDict:
     config.controller.spot_training = True  # replicas that finish early train the drafter (needs >= 2)
     config.controller.spot_rows_per_device = 4  # packed rows per training device and update
     config.controller.spot_max_steps = 0  # most spot updates per RL step (0: as many as the tail allows)
-    config.controller.nice = 19  # scheduling priority of spot training (shared CPU cores); -1 keeps it
+    config.controller.nice = 19  # priority of spot training's background XLA compilations (shared CPU cores); -1 keeps it
 
     # Several processes (hosts): jax.distributed (tltjax/distributed.py). Each runs the same command.
     config.distributed = ConfigDict()

@@ -124,6 +124,22 @@ def test_sample_batch_fills_rows_with_windows_of_the_buffer():
             assert 2 <= at.sum() <= 10
 
 
+@pytest.mark.parametrize("dtype,hidden", [("float32", None), ("bfloat16", 2)])
+def test_batch_spec_has_the_shapes_and_dtypes_of_sample_batch(dtype, hidden):
+    """batch_spec (known before the buffer holds anything) describes exactly what sample_batch returns."""
+    import jax
+
+    buf = DrafterBuffer(200, F, dtype, hidden_size=hidden)
+    spec = buf.batch_spec(3, 16)
+    for num, length in enumerate([12, 30, 9]):
+        tokens, feats = _seq(num, length)
+        buf.add(0, tokens, feats, hidden=None if hidden is None else feats[:, :hidden])
+    batch = buf.sample_batch(np.random.default_rng(0), rows=3, row_len=16)
+    got = jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), batch)
+    want = jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), spec)
+    assert got == want and (spec.hidden is None) == (hidden is None)
+
+
 def test_state_dict_round_trip_restores_the_same_buffer():
     """from_state_dict(state_dict()) holds the same arrays and counters, samples the same windows and ages alike."""
     buf = DrafterBuffer(30, F, "bfloat16", max_sequences=5, hidden_size=2)

@@ -27,16 +27,9 @@ def micro_config(workdir, cache_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """A cache holding the micro policy and its offline drafter, trained once for this module."""
-    from tltjax import tiny_policy
-    from tltjax.drafter import offline
-
-    cache = tmp_path_factory.mktemp("cache")
-    cfg = micro_config(cache / "unused", cache)
-    policy = tiny_policy.get_tiny_policy(cfg, progress=False, log=lambda *a: None)
-    offline.get_drafter(cfg, policy, progress=False, log=lambda *a: None)
-    return cache
+def cache_dir(micro_cache):
+    """The session's cache of the micro policy and its offline drafter (tests/conftest.py)."""
+    return micro_cache
 
 
 def read(workdir) -> list[dict]:
@@ -78,7 +71,8 @@ def test_rl_smoke_run_logs_every_step_checkpoints_and_plots(tmp_path, cache_dir)
 def test_replicas_with_spot_training_on_eight_devices(tmp_path, cache_dir):
     """controller.replica_size=4 on 8 virtual devices: two tensor-parallel replicas decode each step, the
     one that finishes first trains the drafter (logged transitions and spot updates), training stops with
-    the rollout, and the loop's metrics stay sane: the rollout's log-probs are still the policy's."""
+    the rollout, and the loop's metrics stay sane: the rollout's log-probs are still the policy's. The
+    spot update was compiled before step 1 (`Trainer.warmup_spot`): no spot update waits for a compilation."""
     from tltjax.rl.trainer import Trainer
 
     cfg = micro_config(tmp_path / "ctl", cache_dir, "--config.rl.steps=2", "--config.controller.replica_size=4",
@@ -90,6 +84,7 @@ def test_replicas_with_spot_training_on_eight_devices(tmp_path, cache_dir):
     for r in rows:
         assert r["logprob/mismatch_max"] < 5e-4 and r["drafter/buffer_entries"] > 0
         assert r["controller/idle_device_seconds_spot"] <= r["controller/idle_device_seconds"]
+        assert r["spot/compile_waits"] == 0 and r["spot/compile_seconds"] == 0
     assert sum(r["spot/steps"] for r in rows) > 0  # some idle devices trained
     trans = [json.loads(line) for line in (tmp_path / "ctl" / "controller.jsonl").read_text().splitlines()]
     for step in (1, 2):
@@ -242,3 +237,24 @@ def test_update_rows_hold_the_kept_rows_in_few_shapes():
     assert update_rows(3, 16, 8) == 8  # 16 / 4 = 4 rows would not split into 8 micro-batches
     assert update_rows(5, 6, 1) == 6  # 6 rows have no quarter: halves, then the whole
     assert {update_rows(k, 256, 4) for k in range(257)} == {64, 128, 256}
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2, 4])
+def test_update_layout_deals_kept_rows_evenly_to_the_mini_batches(mini_batches):
+    """Every kept rollout row lands in the update batch exactly once, the mini-batch slices hold
+    nearly equal numbers of them (none is left with padding only while another has two or more
+    kept rows), and padding rows never count."""
+    from tltjax.rl.trainer import update_layout, update_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        groups, n = 32, 8
+        keep = np.repeat(rng.random(groups) < rng.random(), n)
+        pick, counts = update_layout(keep, mini_batches, micro_batches=4)
+        rows = len(pick)
+        assert rows in {64, 128, 256} and rows % (4 * mini_batches) == 0
+        assert sorted(pick[counts]) == list(np.flatnonzero(keep))
+        assert np.all(pick[~counts] == 0)
+        per_slice = counts.reshape(mini_batches, -1).sum(axis=1)
+        assert per_slice.max() - per_slice.min() <= 1, per_slice
+        assert rows == update_rows(int(per_slice.max()) * mini_batches, len(keep), 4 * mini_batches)

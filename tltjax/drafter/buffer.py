@@ -273,6 +273,19 @@ class DrafterBuffer:
         starts = rng.integers(lo, hi + 1)
         return [self.window(int(slots[k]), int(s), int(m)) for k, s, m in zip(which, starts, w)]
 
+    def batch_spec(self, rows: int, row_len: int) -> PackedDrafterBatch:
+        """The shapes and dtypes (`jax.ShapeDtypeStruct`s) of a `sample_batch` of ``rows`` x ``row_len``:
+        what a program compiled ahead of the first rollout needs, before the buffer holds anything."""
+        import jax
+
+        def spec(*shape, dtype=np.int32):
+            return jax.ShapeDtypeStruct((rows, row_len, *shape), dtype)
+
+        return PackedDrafterBatch(
+            ids=spec(), segment_ids=spec(), positions=spec(), features=spec(self.feature_size, dtype=self.dtype),
+            hidden=None if self.hidden_size is None else spec(self.hidden_size, dtype=self.dtype),
+        )
+
     def sample_batch(
         self,
         rng: np.random.Generator | int,

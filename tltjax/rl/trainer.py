@@ -74,6 +74,26 @@ def update_rows(kept: int, total: int, micro_batches: int) -> int:
     return total
 
 
+def update_layout(keep: np.ndarray, mini_batches: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which rollout row fills each row of the update batch, and whether that row counts.
+
+    The kept rows (``keep``, one flag per rollout row) are dealt in order into ``mini_batches``
+    equal slices, as evenly as they go, and each slice is padded with empty rows to its size (the
+    batch has `update_rows` rows, so shapes stay few). Returns ``(pick, counts)``: ``pick[r]`` is the
+    rollout row behind update row ``r`` (row 0 for padding) and ``counts[r]`` is False for padding.
+    A slice that receives no kept row holds only padding (see `Trainer._update_policy`, which skips it).
+    """
+    sel = np.flatnonzero(keep)
+    per = -(-len(sel) // mini_batches)  # kept rows in the fullest slice
+    rows = update_rows(per * mini_batches, len(keep), micro_batches * mini_batches)
+    size = rows // mini_batches
+    pick, counts = np.zeros(rows, np.int64), np.zeros(rows, bool)
+    for j, part in enumerate(np.array_split(sel, mini_batches)):
+        pick[j * size : j * size + len(part)] = part
+        counts[j * size : j * size + len(part)] = True
+    return pick, counts
+
+
 def build_batch(
     seqs, advantages: np.ndarray, keep: np.ndarray, width: int, pad_id: int
 ) -> grpo.GRPOBatch:
@@ -399,9 +419,25 @@ class Trainer:
             engine.set_params(target=target, drafter=drafter)
 
     def warmup(self) -> None:
-        """Compiles every rollout program of every engine now (the first step would otherwise)."""
+        """Compiles every rollout program of every engine now (the first step would otherwise), and the
+        spot trainer's drafter update for every training mesh (`warmup_spot`)."""
         for engine in self._engines():
             engine.warmup(self.sampling, with_features=self.train_drafter)
+        self.warmup_spot()
+
+    def warmup_spot(self) -> None:
+        """Readies the spot trainer's update for every device set the controller can hand it (one
+        compilation per mesh size, rebindings for the other sets), so that no spot update of step 1
+        waits for a compilation or competes with the rollout for one. No-op without a spot trainer."""
+        spot = self.controller.spot if self.controller is not None else None
+        if spot is None:
+            return
+        t0 = time.perf_counter()
+        target = nnx.state(nnx.merge(self.state.graphdef, self.local_params))
+        sets = self.controller.training_meshes()
+        spot.warmup(self.drafter_state, target, self.buffer.batch_spec(1, self.drafter_row_len), sets)
+        self.log(f"rl: spot drafter update ready for {len(sets)} training meshes "
+                 f"({len(spot.programs.sizes)} sizes) in {time.perf_counter() - t0:.1f} s")
 
     def _engines(self) -> list:
         return self.controller.engines if self.controller is not None else [self.engine]
@@ -517,12 +553,10 @@ class Trainer:
         keep = np.repeat(~zero_var if self.loss_cfg.dynamic_sampling else np.ones_like(zero_var), n)
         # Rows that count go to the update; rows of dropped groups do not (they would add nothing but
         # cost), padded up to a row bucket with empty rows so that shapes stay few.
-        sel = np.flatnonzero(keep)
-        rows = update_rows(len(sel), len(seqs), rl.micro_batches * rl.mini_batches)
-        pick = list(sel) + [0] * (rows - len(sel))
+        pick, upd_keep = update_layout(keep, rl.mini_batches, rl.micro_batches)
         upd_seqs = [seqs[i] for i in pick]
-        upd_keep = np.arange(rows) < len(sel)
-        width = update_width([len(s.prompt) + len(s.tokens) for s in upd_seqs[: max(len(sel), 1)]],
+        width = update_width([len(s.prompt) + len(s.tokens)
+                              for s, k in zip(upd_seqs, upd_keep) if k] or [len(upd_seqs[0].prompt)],
                              self.update_lengths)
         batch = build_batch(upd_seqs, adv.reshape(-1)[pick] * upd_keep, upd_keep, width, self.pad_id)
         if self.ref_params is not None:
@@ -568,7 +602,7 @@ class Trainer:
             "loss": float(upd["loss"]), "pg_loss": float(upd["pg_loss"]), "kl": float(upd["kl"]),
             "entropy": float(upd["entropy"]), "clip_fraction": float(upd["clip_fraction"]),
             "grad_norm": float(upd["grad_norm"]), "logprob/mismatch_max": mismatch,
-            "logprob/update_mismatch_max": float(upd["logp_mismatch_max"]),
+            "logprob/update_mismatch_max": float(upd["logp_mismatch_max"]), "optimizer_steps": upd["updates"],
             "rollout/tokens": stats.tokens, "rollout/tokens_per_s": stats.tokens / max(stats.time_total, 1e-9),
             "rollout/accept_length": stats.mean_accept_length, "rollout/spec_token_frac":
                 stats.spec_tokens / max(stats.tokens, 1), "rollout/compilations": stats.compilations,
@@ -589,16 +623,21 @@ class Trainer:
         return StepResult(step=step, metrics=m, lengths=lengths)
 
     def _update_policy(self, batch: grpo.GRPOBatch) -> dict[str, float]:
-        """``rl.mini_batches`` optimiser steps, one per consecutive slice of rows (whole groups each),
-        all against the rollout's old log-probs (PPO clipping bounds how far later ones move).
+        """Up to ``rl.mini_batches`` optimiser steps, one per slice of rows (`update_layout`), all
+        against the rollout's old log-probs (PPO clipping bounds how far later ones move). A slice
+        with no row that counts is skipped: an optimiser step on zero gradients would still move
+        the params along Adam's momentum. With no such slice at all (every group dropped by dynamic
+        sampling) the params stay as they are.
 
-        Returns the slices' mean metrics; ``logp_mismatch_max`` is the first slice's, the one
-        taken at the rollout's own parameters.
+        Returns the slices' mean metrics (zeros when every slice is skipped) and ``updates``, the
+        optimiser steps taken; ``logp_mismatch_max`` is the first slice's, the one taken at the
+        rollout's own parameters.
         """
         rl = self.rl
         rows = batch.tokens.shape[0] // rl.mini_batches
+        counts = np.asarray(batch.loss_mask).reshape(rl.mini_batches, -1).any(axis=1)
         got = []
-        for i in range(rl.mini_batches):
+        for i in np.flatnonzero(counts):
             part = jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch)
             if self.hosts == 1:
                 self.state, upd = grpo.grpo_update(self.state, part, loss_cfg=self.loss_cfg,
@@ -611,11 +650,15 @@ class Trainer:
                                                        micro_batches=rl.micro_batches)
                 upd = self._to_local(upd)
             got.append(upd)
+        if not got:
+            keys = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "logp_mismatch_max")
+            return {**dict.fromkeys(keys, 0.0), "updates": 0.0}
         # a whole copy of the new params for this process's engines
         self.local_params = self._to_local(self.state.params)
         got = jax.device_get(got)
         out = {k: float(np.mean([g[k] for g in got])) for k in got[0]}
         out["logp_mismatch_max"] = float(got[0]["logp_mismatch_max"])
+        out["updates"] = float(len(got))
         return out
 
     def _train_drafter(self, step: int, target_params) -> dict[str, float]:
@@ -642,6 +685,7 @@ class Trainer:
         progress = self.metrics_lib.Progress(total=rl.steps - self.start_step, desc="rl",
                                              enabled=rl.progress)
         t_run = time.perf_counter()
+        self.warmup_spot()
         acc_start = self.evaluate() if self.start_step == 0 else float("nan")
         sampled_start = self.evaluate_sampled() if self.start_step == 0 else float("nan")
         if self.start_step == 0 and self.evals:

@@ -22,6 +22,7 @@ def get_config() -> ConfigDict:
     config.sft.seq_len = 128
     config.sft.widths = (64, 128)
     config.sft.steps = 30
+    config.sft.slip_rate = 0.0  # clean data: the tests' policy and figures predate slips in the default
 
     # Greedy samples: at temperature 0, top-1 agreement on them is the speculative acceptance rate.
     config.drafter.num_sequences = 48
@@ -38,6 +39,8 @@ def get_config() -> ConfigDict:
     config.rl.samples_per_prompt = 4
     config.rl.max_new_tokens = 64
     config.rl.micro_batches = 2
+    config.rl.mini_batches = 1
+    config.rl.lr = 5e-4
     config.rl.update_lengths = (64, 128)
     config.rl.reward_workers = 1
     config.rl.drafter_steps = 2

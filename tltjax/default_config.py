@@ -94,7 +94,8 @@ def get_config() -> ConfigDict:
     config.rl.clip_high = 0.0
     config.rl.kl_coef = 0.0  # > 0 keeps a frozen reference policy in memory
     config.rl.kl_kind = "low_var_kl"  # kl | low_var_kl | mse
-    config.rl.update_lengths = (128, 256, 416)  # padded update widths (one compilation each)
+    # Update widths: each micro-batch (rows sorted by length) is padded to the narrowest that holds it.
+    config.rl.update_lengths = (64, 128, 256, 416)
     # Rewards: "" uses the task's scorer (config.task.name); else a registered name or "module:function".
     config.rl.reward = ""
     config.rl.reward_workers = 2
@@ -146,6 +147,11 @@ def get_config() -> ConfigDict:
     # The rollout engine (tltjax/rollout/engine.py EngineConfig).
     config.rollout = ConfigDict()
     config.rollout.max_batch = 128
+    # Batch buckets, one compiled program each (and a speculative one each up to spec_threshold); empty:
+    # the powers of two up to max_batch; sizes above max_batch are dropped and max_batch is always one.
+    # A batch runs in the smallest bucket that holds it. On CPU four
+    # buckets roll out as fast as all eight powers of two and compile in half the time (docs/benchmarks.md).
+    config.rollout.batch_buckets = (4, 16, 64, 128)
     config.rollout.page_size = 16
     config.rollout.memory_budget_mb = 0.0  # 0: room for max_batch full-length rows
     config.rollout.decode_steps = 8

@@ -210,6 +210,27 @@ def test_micro_batching_is_exact():
     _assert_same_update(full, _update(SGD, cfg, 4), atol=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "drgrpo", "dapo"])
+def test_accumulate_over_micro_batches_of_any_width_is_exact(algorithm):
+    """grpo_accumulate + grpo_apply over the rows sorted by length, cut into micro-batches of 3, 3 and 2 rows each
+    padded only to its own longest row, give grpo_update's full-batch step and metrics (KL on; Dr.GRPO's
+    divisor fixed by max_len, as the trainer sets it)."""
+    cfg = grpo.loss_config(algorithm, kl_coef=0.1, kl_kind="kl", max_len=SEQ)
+    full = _update(SGD, cfg, 1, ref=True)
+    state = _state(SGD)
+    batch = _batch(state, ref=True)
+    used = np.asarray(batch.tokens != 0).sum(1)  # tokens are >= 1 up to each row's length, 0 after
+    order = np.argsort(used, kind="stable")
+    acc, widths = None, []
+    for rows in np.split(order, [3, 6]):
+        width = max(int(used[rows].max()), 1)
+        widths.append(width)
+        part = jax.tree.map(lambda x: x[rows][:, :width] if x.ndim == 2 else x[rows], batch)
+        acc = grpo.grpo_accumulate(acc, state, part, cfg)
+    assert len(set(widths)) > 1, widths  # the micro-batches really differ in width
+    _assert_same_update(full, grpo.grpo_apply(state, acc), atol=1e-6)
+
+
 def test_kl_penalty_enters_the_loss_and_kl_reports_k3():
     """With Dr.GRPO's sum-norm aggregation and a k1 penalty to a reference, loss = pg_loss + kl_coef · (k1 summed
     / max_len / sequences), and the `kl` metric is the mean k3 estimate against the reference."""

@@ -227,34 +227,39 @@ def test_online_drafter_optimiser_warms_up_to_its_own_lr(tmp_path, cache_dir):
     assert sizes == pytest.approx([0.0, 0.0005, 0.001, 0.0015, 0.002], rel=1e-3, abs=1e-9)
 
 
-def test_update_rows_hold_the_kept_rows_in_few_shapes():
-    """The update batch is the smallest of total/4, /2, /1 rows that holds the kept rows and splits into
-    the micro-batches: dropped groups cost nothing, and there are at most three row shapes."""
-    from tltjax.rl.trainer import update_rows
-
-    assert update_rows(0, 256, 4) == 64 and update_rows(64, 256, 4) == 64 and update_rows(65, 256, 4) == 128
-    assert update_rows(129, 256, 4) == 256 and update_rows(256, 256, 4) == 256
-    assert update_rows(3, 16, 8) == 8  # 16 / 4 = 4 rows would not split into 8 micro-batches
-    assert update_rows(5, 6, 1) == 6  # 6 rows have no quarter: halves, then the whole
-    assert {update_rows(k, 256, 4) for k in range(257)} == {64, 128, 256}
-
-
 @pytest.mark.parametrize("mini_batches", [1, 2, 4])
-def test_update_layout_deals_kept_rows_evenly_to_the_mini_batches(mini_batches):
-    """Every kept rollout row lands in the update batch exactly once, the mini-batch slices hold
-    nearly equal numbers of them (none is left with padding only while another has two or more
-    kept rows), and padding rows never count."""
-    from tltjax.rl.trainer import update_layout, update_rows
+def test_update_layout_deals_kept_rows_evenly_and_sorts_them_by_length(mini_batches):
+    """Every kept rollout row lands in exactly one micro-batch and no dropped row does; the optimiser
+    steps get nearly equal numbers of rows (none is left out while another has two or more); within a
+    step the micro-batches hold at most micro_rows rows, all full but the last, in order of length."""
+    from tltjax.rl.trainer import update_layout
 
     rng = np.random.default_rng(0)
     for trial in range(200):
-        groups, n = 32, 8
+        groups, n, micro_rows = 32, 8, 16
         keep = np.repeat(rng.random(groups) < rng.random(), n)
-        pick, counts = update_layout(keep, mini_batches, micro_batches=4)
-        rows = len(pick)
-        assert rows in {64, 128, 256} and rows % (4 * mini_batches) == 0
-        assert sorted(pick[counts]) == list(np.flatnonzero(keep))
-        assert np.all(pick[~counts] == 0)
-        per_slice = counts.reshape(mini_batches, -1).sum(axis=1)
-        assert per_slice.max() - per_slice.min() <= 1, per_slice
-        assert rows == update_rows(int(per_slice.max()) * mini_batches, len(keep), 4 * mini_batches)
+        lengths = rng.integers(20, 400, groups * n)
+        plan = update_layout(keep, lengths, mini_batches, micro_rows)
+        rows = [np.concatenate(micro) for micro in plan]
+        assert sorted(np.concatenate(rows).tolist() if rows else []) == list(np.flatnonzero(keep))
+        per_step = [len(r) for r in rows]
+        assert len(plan) == min(mini_batches, int(keep.sum()))
+        assert not per_step or max(per_step) - min(per_step) <= 1, per_step
+        for micro, r in zip(plan, rows):
+            assert [len(m) for m in micro[:-1]] == [micro_rows] * (len(micro) - 1) and 1 <= len(micro[-1]) <= micro_rows
+            assert np.all(np.diff(lengths[r]) >= 0)
+
+
+def test_engine_buckets_fit_the_run_s_max_batch():
+    """config.rollout.batch_buckets keeps the sizes below max_batch and always ends at max_batch (so
+    `--set rollout.max_batch=...` never leaves a bucket the engine refuses); empty stays the powers of two."""
+    from tltjax.config import ConfigError
+    from tltjax.rl.trainer import engine_buckets
+
+    assert engine_buckets((4, 16, 64, 128), 128) == (4, 16, 64, 128)
+    assert engine_buckets((4, 16, 64, 128), 16) == (4, 16)
+    assert engine_buckets((4, 16, 64, 128), 32) == (4, 16, 32)
+    assert engine_buckets((64, 4), 256) == (4, 64, 256)
+    assert engine_buckets((), 128) == ()
+    with pytest.raises(ConfigError, match="batch_buckets"):
+        engine_buckets((0, 16), 16)

@@ -328,39 +328,25 @@ def _micro_split(x: Array, m: int) -> Array:
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("loss_cfg", "micro_batches"), donate_argnums=(0,))
-def grpo_update(
-    state: TrainState, batch: GRPOBatch, loss_cfg: LossConfig, micro_batches: int = 1
-) -> tuple[TrainState, dict[str, Float[Array, ""]]]:
-    """One optimiser step on the mean `grpo_loss` of ``batch``; ``state`` is donated.
+_SUM_KEYS = ("count", "pg", "tokens", "clipped", "entropy", "kl", "mismatch", "loss")
 
-    The batch is cut into ``micro_batches`` equal parts (it must divide the batch)
-    run one after another under `lax.scan`; gradients of the loss *sums* add up
-    and are divided by the total count once, so the step equals the full-batch
-    step for any ``micro_batches``. All log-probs come from the parameters before
-    the update: ``logp_mismatch_max`` ≈ 0 checks that on-policy ``old_logp`` matches.
-    """
-    b = batch.tokens.shape[0]
-    if micro_batches < 1 or b % micro_batches:
-        raise ValueError(f"micro_batches={micro_batches} must be >= 1 and divide the batch size {b}")
-    micro = jax.tree.map(lambda x: _micro_split(x, micro_batches), batch)
 
-    def loss_fn(params, mb):
-        return grpo_loss(nnx.merge(state.graphdef, params), mb, loss_cfg)
+def _grad_sums(state: TrainState, batch: GRPOBatch, loss_cfg: LossConfig):
+    """(gradient of the loss sum, sums incl. ``loss``) of one micro-batch at ``state.params``."""
 
-    def body(carry, mb):
-        grads, sums = carry
-        (loss_sum, s), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
-        s = {**s, "loss": jax.lax.stop_gradient(loss_sum)}
-        grads = jax.tree.map(jnp.add, grads, g)
-        sums = {k: jnp.maximum(sums[k], v) if k == "mismatch" else sums[k] + v for k, v in s.items()}
-        return (grads, sums), None
+    def loss_fn(params):
+        return grpo_loss(nnx.merge(state.graphdef, params), batch, loss_cfg)
 
-    zero = jnp.zeros((), jnp.float32)
-    init_sums = {k: zero for k in ("count", "pg", "tokens", "clipped", "entropy", "kl", "mismatch", "loss")}
-    init = (jax.tree.map(jnp.zeros_like, state.params), init_sums)
-    (grads, sums), _ = jax.lax.scan(body, init, micro)
+    (loss_sum, s), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return g, {**s, "loss": jax.lax.stop_gradient(loss_sum)}
 
+
+def _add_sums(a: dict, b: dict) -> dict:
+    return {k: jnp.maximum(a[k], b[k]) if k == "mismatch" else a[k] + b[k] for k in _SUM_KEYS}
+
+
+def _apply(state: TrainState, grads, sums) -> tuple[TrainState, dict[str, Float[Array, ""]]]:
+    """The optimiser step on accumulated loss-sum gradients: divided by the total count once."""
     n_agg, n_tok = jnp.maximum(sums["count"], 1.0), jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / n_agg, grads)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -376,3 +362,60 @@ def grpo_update(
         "tokens": sums["tokens"],
     }
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("loss_cfg", "micro_batches"), donate_argnums=(0,))
+def grpo_update(
+    state: TrainState, batch: GRPOBatch, loss_cfg: LossConfig, micro_batches: int = 1
+) -> tuple[TrainState, dict[str, Float[Array, ""]]]:
+    """One optimiser step on the mean `grpo_loss` of ``batch``; ``state`` is donated.
+
+    The batch is cut into ``micro_batches`` equal parts (it must divide the batch)
+    run one after another under `lax.scan`; gradients of the loss *sums* add up
+    and are divided by the total count once, so the step equals the full-batch
+    step for any ``micro_batches``. All log-probs come from the parameters before
+    the update: ``logp_mismatch_max`` ≈ 0 checks that on-policy ``old_logp`` matches.
+    Micro-batches of different widths: `grpo_accumulate` and `grpo_apply`.
+    """
+    b = batch.tokens.shape[0]
+    if micro_batches < 1 or b % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1 and divide the batch size {b}")
+    micro = jax.tree.map(lambda x: _micro_split(x, micro_batches), batch)
+
+    def body(carry, mb):
+        grads, sums = carry
+        g, s = _grad_sums(state, mb, loss_cfg)
+        return (jax.tree.map(jnp.add, grads, g), _add_sums(sums, s)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (jax.tree.map(jnp.zeros_like, state.params), dict.fromkeys(_SUM_KEYS, zero))
+    (grads, sums), _ = jax.lax.scan(body, init, micro)
+    return _apply(state, grads, sums)
+
+
+GradSums = tuple[Any, dict[str, Float[Array, ""]]]
+"""Accumulated (gradient of the loss sums, sums) of the micro-batches seen so far (`grpo_accumulate`)."""
+
+
+@functools.partial(jax.jit, static_argnames=("loss_cfg",), donate_argnums=(0,))
+def grpo_accumulate(acc: GradSums | None, state: TrainState, batch: GRPOBatch, loss_cfg: LossConfig) -> GradSums:
+    """``acc`` plus the loss-sum gradient and sums of one micro-batch (``acc`` None: the first; donated).
+
+    With `grpo_apply` this splits `grpo_update` so that micro-batches may have different widths: a
+    trainer sorts its rows by length and pads each micro-batch only to its own longest row. The
+    step is the same full-batch step (up to float summation order), whatever the widths.
+    """
+    g, s = _grad_sums(state, batch, loss_cfg)
+    if acc is None:
+        return g, s
+    grads, sums = acc
+    return jax.tree.map(jnp.add, grads, g), _add_sums(sums, s)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def grpo_apply(state: TrainState, acc: GradSums) -> tuple[TrainState, dict[str, Float[Array, ""]]]:
+    """The optimiser step on what `grpo_accumulate` gathered; ``state`` is donated.
+
+    Metrics as `grpo_update`'s.
+    """
+    return _apply(state, *acc)

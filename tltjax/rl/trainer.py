@@ -1,7 +1,7 @@
 """The RL loop (job ``rl``): rollout → rewards → GRPO update → online drafter update, checkpointed.
 
 The host side only schedules pure jitted steps: `Engine.generate` (plain and
-speculative rollout), `grpo_update`, `drafter_update` and a log-prob check.
+speculative rollout), `grpo_accumulate` / `grpo_apply`, `drafter_update` and a log-prob check.
 One RL step:
 
 1. a batch of prompts (resumable sampler) × ``samples_per_prompt`` rollouts at
@@ -10,7 +10,8 @@ One RL step:
    at once, so rewards overlap the rollout's tail;
 2. group advantages (the algorithm's estimator), DAPO's dynamic sampling;
 3. a log-prob recompute on a few rows (the rollout's log-probs are the old
-   log-probs: exact, since speculation is lossless) and one `grpo_update`;
+   log-probs: exact, since speculation is lossless) and ``rl.mini_batches`` optimiser steps,
+   each over micro-batches of rows sorted by length and padded to their own width;
 4. the new policy goes to the engine; the drafter takes a few updates on this
    step's sequences against the new policy, and goes to the engine too.
 
@@ -64,34 +65,23 @@ def update_width(lengths: list[int], buckets: tuple[int, ...]) -> int:
     return int(max(buckets))
 
 
-def update_rows(kept: int, total: int, micro_batches: int) -> int:
-    """Rows of the update batch for ``kept`` rows that count out of ``total``: the smallest of
-    ``total`` / 4, / 2, / 1 that holds them and splits into ``micro_batches`` (few shapes, few compilations)."""
-    for frac in (4, 2):
-        rows = total // frac
-        if rows >= max(kept, 1) and rows % micro_batches == 0 and total % frac == 0:
-            return rows
-    return total
-
-
-def update_layout(keep: np.ndarray, mini_batches: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which rollout row fills each row of the update batch, and whether that row counts.
+def update_layout(keep: np.ndarray, lengths: np.ndarray, mini_batches: int, micro_rows: int) -> list[list[np.ndarray]]:
+    """The rollout rows of each optimiser step's micro-batches.
 
     The kept rows (``keep``, one flag per rollout row) are dealt in order into ``mini_batches``
-    equal slices, as evenly as they go, and each slice is padded with empty rows to its size (the
-    batch has `update_rows` rows, so shapes stay few). Returns ``(pick, counts)``: ``pick[r]`` is the
-    rollout row behind update row ``r`` (row 0 for padding) and ``counts[r]`` is False for padding.
-    A slice that receives no kept row holds only padding (see `Trainer._update_policy`, which skips it).
+    slices, as evenly as they go; a slice that receives none is left out (no optimiser step on zero
+    gradients: AdamW would still move the params along its momentum). Within a slice the rows are
+    sorted by ``lengths`` (prompt + response) and cut into micro-batches of ``micro_rows`` rows (the
+    last may be short; `Trainer._micro_batch` pads it), so that each micro-batch is padded only to
+    its own longest row. Sorting inside a slice leaves that step's gradient unchanged (it is the sum
+    over its micro-batches).
     """
-    sel = np.flatnonzero(keep)
-    per = -(-len(sel) // mini_batches)  # kept rows in the fullest slice
-    rows = update_rows(per * mini_batches, len(keep), micro_batches * mini_batches)
-    size = rows // mini_batches
-    pick, counts = np.zeros(rows, np.int64), np.zeros(rows, bool)
-    for j, part in enumerate(np.array_split(sel, mini_batches)):
-        pick[j * size : j * size + len(part)] = part
-        counts[j * size : j * size + len(part)] = True
-    return pick, counts
+    plan = []
+    for part in np.array_split(np.flatnonzero(keep), mini_batches):
+        if len(part):
+            part = part[np.argsort(np.asarray(lengths)[part], kind="stable")]
+            plan.append([part[i : i + micro_rows] for i in range(0, len(part), micro_rows)])
+    return plan
 
 
 def build_batch(
@@ -182,7 +172,9 @@ class Trainer:
         longest_prompt = max([longest_prompt] + [len(p) for p in self.eval_prompt_ids])
 
         # ---- policy train state
-        self.loss_cfg = grpo.loss_config(rl.algorithm, temperature=float(rl.temperature), **loss_overrides(rl))
+        # max_len: Dr.GRPO's constant divisor is the generation budget, whatever a micro-batch's width.
+        self.loss_cfg = grpo.loss_config(rl.algorithm, temperature=float(rl.temperature),
+                                         max_len=int(rl.max_new_tokens), **loss_overrides(rl))
         tx = sft.make_optimizer(rl.lr, rl.steps * rl.mini_batches, rl.warmup_steps * rl.mini_batches,
                                 rl.weight_decay, rl.grad_clip)
         self.state = sft.TrainState.create(policy, tx)
@@ -198,6 +190,8 @@ class Trainer:
         self.sampling = SamplingParams(temperature=rl.temperature, top_p=rl.top_p)
         self.max_seq_len = longest_prompt + rl.max_new_tokens
         self.update_lengths = tuple(sorted(set(int(w) for w in rl.update_lengths) | {self.max_seq_len}))
+        # rows per micro-batch: a full batch makes mini_batches * micro_batches of them
+        self.micro_rows = rl.prompts_per_step * rl.samples_per_prompt // (rl.mini_batches * rl.micro_batches)
 
         # ---- drafter (its own train state; the engine reads its params)
         from tltjax.drafter import offline
@@ -239,6 +233,7 @@ class Trainer:
             prefill_batch=r.prefill_batch, prefill_lengths=tuple(n for n in r.prefill_lengths if n <= self.max_seq_len),
             max_group=rl.samples_per_prompt, pool_budget_mb=r.pool_budget_mb,
             spec_max_bucket=r.max_batch if self.speculate and r.adaptive else 0,
+            batch_buckets=engine_buckets(r.get("batch_buckets", ()), r.max_batch),
         )
         # adaptive: one bandit for every step (and every replica: they are alike), saved in checkpoints
         self.bandit = make_bandit(r, config.seed) if self.speculate and r.adaptive else None
@@ -551,29 +546,25 @@ class Trainer:
         adv = np.asarray(grpo.get_advantage_estimator(self.loss_cfg.advantage)(jnp.asarray(rewards)))
         zero_var = np.asarray(grpo.zero_variance_groups(jnp.asarray(rewards)))
         keep = np.repeat(~zero_var if self.loss_cfg.dynamic_sampling else np.ones_like(zero_var), n)
-        # Rows that count go to the update; rows of dropped groups do not (they would add nothing but
-        # cost), padded up to a row bucket with empty rows so that shapes stay few.
-        pick, upd_keep = update_layout(keep, rl.mini_batches, rl.micro_batches)
-        upd_seqs = [seqs[i] for i in pick]
-        width = update_width([len(s.prompt) + len(s.tokens)
-                              for s, k in zip(upd_seqs, upd_keep) if k] or [len(upd_seqs[0].prompt)],
-                             self.update_lengths)
-        batch = build_batch(upd_seqs, adv.reshape(-1)[pick] * upd_keep, upd_keep, width, self.pad_id)
-        if self.ref_params is not None:
-            ref = grpo.compute_logprobs(self.state.graphdef, self.ref_params, batch.tokens,
-                                        temperature=self.loss_cfg.temperature)
-            batch = batch.replace(ref_logp=ref * batch.loss_mask)
+        # Rows that count go to the update, sorted by length into micro-batches of micro_rows rows,
+        # each padded to its own width bucket; rows of dropped groups do not (they would add nothing).
+        lengths_ctx = np.array([len(s.prompt) + len(s.tokens) for s in seqs])
+        plan = update_layout(keep, lengths_ctx, rl.mini_batches, self.micro_rows)
+        adv_rows = adv.reshape(-1)
+        batches = [[self._micro_batch(seqs, rows, adv_rows) for rows in micro] for micro in plan]
 
         # ---- log-prob check on a few rows: recompute under the rollout's params
         t0 = time.perf_counter()
         k = min(rl.logprob_check_rows, len(seqs))
         mismatch = 0.0
         if k:
-            lp = grpo.compute_logprobs(self.state.graphdef, self.local_params, batch.tokens[:k],
+            check = build_batch(seqs[:k], np.zeros(k), np.ones(k, bool),
+                                update_width(lengths_ctx[:k].tolist(), self.update_lengths), self.pad_id)
+            lp = grpo.compute_logprobs(self.state.graphdef, self.local_params, check.tokens,
                                        temperature=self.loss_cfg.temperature)
-            m = np.asarray(batch.loss_mask[:k]) > 0
+            m = np.asarray(check.loss_mask) > 0
             if m.any():
-                mismatch = float(np.abs(np.asarray(lp) - np.asarray(batch.old_logp[:k]))[m].max())
+                mismatch = float(np.abs(np.asarray(lp) - np.asarray(check.old_logp))[m].max())
         t_check = time.perf_counter() - t0
 
         # ---- drafter, inline: a few updates on the buffer (the rollout's features and weights)
@@ -585,7 +576,7 @@ class Trainer:
 
         # ---- policy update
         t0 = time.perf_counter()
-        upd = self._update_policy(batch)
+        upd = self._update_policy(batches)
         t_update = time.perf_counter() - t0
 
         self._sync_engine()
@@ -622,32 +613,45 @@ class Trainer:
         m["time/idle"] = stats.time_host + t_reward  # the device waits on the host
         return StepResult(step=step, metrics=m, lengths=lengths)
 
-    def _update_policy(self, batch: grpo.GRPOBatch) -> dict[str, float]:
-        """Up to ``rl.mini_batches`` optimiser steps, one per slice of rows (`update_layout`), all
-        against the rollout's old log-probs (PPO clipping bounds how far later ones move). A slice
-        with no row that counts is skipped: an optimiser step on zero gradients would still move
-        the params along Adam's momentum. With no such slice at all (every group dropped by dynamic
-        sampling) the params stay as they are.
+    def _micro_batch(self, seqs, rows: np.ndarray, adv_rows: np.ndarray) -> grpo.GRPOBatch:
+        """The `GRPOBatch` of rollout ``rows`` (kept ones), padded with empty rows to ``micro_rows`` and
+        to the narrowest update width that holds its longest row; reference log-probs when KL is on."""
+        pad = self.micro_rows - len(rows)
+        idx = np.concatenate([rows, np.full(pad, rows[0])])
+        counts = np.arange(self.micro_rows) < len(rows)
+        sub = [seqs[i] for i in idx]
+        width = update_width([len(s.prompt) + len(s.tokens) for s in sub[: len(rows)]], self.update_lengths)
+        batch = build_batch(sub, adv_rows[idx] * counts, counts, width, self.pad_id)
+        if self.ref_params is not None:
+            ref = grpo.compute_logprobs(self.state.graphdef, self.ref_params, batch.tokens,
+                                        temperature=self.loss_cfg.temperature)
+            batch = batch.replace(ref_logp=ref * batch.loss_mask)
+        return batch
 
-        Returns the slices' mean metrics (zeros when every slice is skipped) and ``updates``, the
-        optimiser steps taken; ``logp_mismatch_max`` is the first slice's, the one taken at the
-        rollout's own parameters.
+    def _update_policy(self, batches: list[list[grpo.GRPOBatch]]) -> dict[str, float]:
+        """One optimiser step per mini-batch (`update_layout`), all against the rollout's old
+        log-probs (PPO clipping bounds how far later ones move): `grpo.grpo_accumulate` over its
+        micro-batches, each of its own width, then `grpo.grpo_apply`. With no mini-batch at all
+        (every group dropped by dynamic sampling) the params stay as they are.
+
+        Returns the steps' mean metrics (zeros when there is none) and ``updates``, the optimiser
+        steps taken; ``logp_mismatch_max`` is the first step's, the one taken at the rollout's own
+        parameters.
         """
-        rl = self.rl
-        rows = batch.tokens.shape[0] // rl.mini_batches
-        counts = np.asarray(batch.loss_mask).reshape(rl.mini_batches, -1).any(axis=1)
         got = []
-        for i in np.flatnonzero(counts):
-            part = jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch)
+        for micro in batches:
+            acc = None
             if self.hosts == 1:
-                self.state, upd = grpo.grpo_update(self.state, part, loss_cfg=self.loss_cfg,
-                                                   micro_batches=rl.micro_batches)
+                for mb in micro:
+                    acc = grpo.grpo_accumulate(acc, self.state, mb, self.loss_cfg)
+                self.state, upd = grpo.grpo_apply(self.state, acc)
             else:  # on the global mesh
                 from tltjax import sharding as shd
 
                 with shd.use_mesh(self.mesh):
-                    self.state, upd = grpo.grpo_update(self.state, self._global_batch(part), loss_cfg=self.loss_cfg,
-                                                       micro_batches=rl.micro_batches)
+                    for mb in micro:
+                        acc = grpo.grpo_accumulate(acc, self.state, self._global_batch(mb), self.loss_cfg)
+                    self.state, upd = grpo.grpo_apply(self.state, acc)
                 upd = self._to_local(upd)
             got.append(upd)
         if not got:
@@ -784,6 +788,16 @@ def loss_overrides(rl: ConfigDict) -> dict[str, Any]:
         out["kl_coef"] = float(rl.kl_coef)
         out["kl_kind"] = rl.kl_kind
     return out
+
+
+def engine_buckets(buckets, max_batch: int) -> tuple[int, ...]:
+    """``config.rollout.batch_buckets`` for a run with ``max_batch``: those below it, and max_batch
+    itself (the largest bucket); empty stays empty (the engine's powers of two)."""
+    if not buckets:
+        return ()
+    if min(int(b) for b in buckets) < 1:
+        raise ConfigError(f"config.rollout.batch_buckets={tuple(buckets)} must hold sizes >= 1")
+    return tuple(sorted({int(b) for b in buckets if int(b) < max_batch} | {int(max_batch)}))
 
 
 def make_bandit(rollout: ConfigDict, seed: int):

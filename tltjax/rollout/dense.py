@@ -1,7 +1,8 @@
 """Plain batched generation with a contiguous cache: the reference decoder.
 
-One prefill call and one decode call (a `lax.scan` over all new tokens, no
-host round-trips). Rows keep decoding padding after they stop; it is the
+One prefill call and one decode call (a `lax.while_loop` over the new tokens
+that ends when every row has stopped, no host round-trips). Rows keep decoding
+padding after they stop while others run; it is the
 simple baseline that the paged, bucketed engine is measured against and the
 oracle its outputs are tested against.
 """
@@ -57,15 +58,23 @@ def decode(graphdef, state, cache, logits, key, steps: int, params: SamplingPara
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
     b = logits.shape[0]
 
-    def step(carry, key):
-        cache, logits, done = carry
-        tok, lp = sample(key, logits, params)
+    keys = jax.random.split(key, steps)
+
+    def running(carry):
+        i, done = carry[0], carry[3]
+        return (i < steps) & ~jnp.all(done)
+
+    def step(carry):
+        i, cache, logits, done, toks, lps, dones = carry
+        tok, lp = sample(keys[i], logits, params)
         out = model(tok[:, None], cache=cache)
         new_done = done | jnp.isin(tok, stops)
-        return (out.cache, out.logits[:, 0], new_done), (tok, lp, done)
+        return i + 1, out.cache, out.logits[:, 0], new_done, toks.at[i].set(tok), lps.at[i].set(lp), dones.at[i].set(done)
 
-    keys = jax.random.split(key, steps)
-    _, (toks, lps, done) = jax.lax.scan(step, (cache, logits, jnp.zeros((b,), bool)), keys)
+    # Stops early once every row is done; steps never run read as done (their tokens are never returned).
+    init = (jnp.int32(0), cache, logits, jnp.zeros((b,), bool), jnp.zeros((steps, b), jnp.int32),
+            jnp.zeros((steps, b), jnp.float32), jnp.ones((steps, b), bool))
+    *_, toks, lps, done = jax.lax.while_loop(running, step, init)
     return toks.T, lps.T, done.T
 
 

@@ -52,6 +52,7 @@ def get_config() -> ConfigDict:
     config.rl.progress = False
 
     config.rollout.max_batch = 16
+    config.rollout.batch_buckets = ()  # every power of two: the tests see every bucket's programs
     config.rollout.spec_threshold = 4
     config.rollout.prefill_batch = 8
     config.rollout.prefill_lengths = (32,)

@@ -261,5 +261,6 @@ def test_engine_buckets_fit_the_run_s_max_batch():
     assert engine_buckets((4, 16, 64, 128), 32) == (4, 16, 32)
     assert engine_buckets((64, 4), 256) == (4, 64, 256)
     assert engine_buckets((), 128) == ()
-    with pytest.raises(ConfigError, match="batch_buckets"):
-        engine_buckets((0, 16), 16)
+    for bad in [(0, 16), ("a", 16)]:
+        with pytest.raises(ConfigError, match="batch_buckets"):
+            engine_buckets(bad, 16)

@@ -795,9 +795,14 @@ def engine_buckets(buckets, max_batch: int) -> tuple[int, ...]:
     itself (the largest bucket); empty stays empty (the engine's powers of two)."""
     if not buckets:
         return ()
-    if min(int(b) for b in buckets) < 1:
-        raise ConfigError(f"config.rollout.batch_buckets={tuple(buckets)} must hold sizes >= 1")
-    return tuple(sorted({int(b) for b in buckets if int(b) < max_batch} | {int(max_batch)}))
+    try:
+        sizes = {int(b) for b in buckets}
+    except (TypeError, ValueError):
+        sizes = {0}
+    if min(sizes) < 1:
+        raise ConfigError(f"config.rollout.batch_buckets={tuple(buckets)} must hold integer sizes >= 1 "
+                          f"(or be empty: the powers of two up to max_batch)")
+    return tuple(sorted({b for b in sizes if b < max_batch} | {int(max_batch)}))
 
 
 def make_bandit(rollout: ConfigDict, seed: int):

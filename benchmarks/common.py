@@ -9,6 +9,7 @@ job's code) and cached next to it, or read from ``--drafter``.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -65,6 +66,54 @@ def machine() -> dict:
 
     return dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
                 backend=jax.default_backend(), devices=[str(d) for d in jax.devices()][:4])
+
+
+_CORE_PROBE = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+loop = jax.jit(lambda x: jax.lax.fori_loop(0, 20, lambda i, x: jnp.tanh(x @ x), x))
+x = jnp.full((256, 256), 0.01)
+loop(x).block_until_ready()
+sys.stdout.write("ready\\n"); sys.stdout.flush(); sys.stdin.readline()
+t = time.perf_counter()
+for _ in range(int(sys.argv[1])):
+    loop(x).block_until_ready()
+print(time.perf_counter() - t)
+"""
+
+
+def host_parallelism(workers: int = 2, reps: int = 60) -> dict:
+    """How many cores' worth of CPU computation the host gives at once, measured.
+
+    ``workers`` processes each run the same single-threaded jitted loop, first one alone, then all
+    at the same time (started together after they have compiled); ``effective_cores`` is
+    ``workers * alone / together`` (mean over the workers): ``workers`` when each gets a core of its
+    own, 1 when they only share one. Virtual CPU devices share these cores, so an "idle" one is
+    free hardware only as far as this exceeds the devices still busy.
+    """
+    import subprocess
+
+    def run(n: int) -> list[float]:
+        procs = [subprocess.Popen([sys.executable, "-c", _CORE_PROBE, str(reps)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("host_parallelism: a probe process failed before its loop")
+        for p in procs:  # all compiled: start the timed loops together
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        out = [float(p.communicate()[0]) for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("host_parallelism: a probe process failed")
+        return out
+
+    alone = run(1)[0]
+    together = run(workers)
+    mean_together = sum(together) / len(together)
+    return dict(workers=workers, alone_s=alone, together_s=together,
+                effective_cores=workers * alone / mean_together, cpu_count=os.cpu_count())
 
 
 def write_json(result: dict, out: str, quiet: bool = False) -> None:

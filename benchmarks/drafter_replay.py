@@ -284,7 +284,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(common.REPO / "configs/default.py"))
     p.add_argument("--steps", type=int, default=20, help="RL steps collected (with --load: the first ones replayed)")
-    p.add_argument("--lr", type=float, default=2e-3, help="policy learning rate (4x the default: the policy drifts)")
+    p.add_argument("--lr", type=float, default=2e-3, help="policy learning rate (10x the default 2e-4: the policy drifts)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. rl.drafter_batch=32")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",

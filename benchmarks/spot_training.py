@@ -10,7 +10,9 @@ target is within 2%), idle device-seconds without and with spot training, spot
 updates per RL step, their mean duration, the stop latency (how long the step
 boundary waited for the update in flight), background compilation time and the
 drafter's loss over the run; and the machine's load average before and after
-(the virtual devices share the host's cores with whatever else runs there).
+(the virtual devices share the host's cores with whatever else runs there) and its measured
+parallelism (`common.host_parallelism`: how many single-threaded computations it runs at once at
+full speed), which bounds what an "idle" virtual device has to itself.
 
     python benchmarks/spot_training.py --steps 8
     python benchmarks/spot_training.py --devices 8 --replica-size 2 --steps 10
@@ -58,6 +60,10 @@ def main(argv=None):
     import common
 
     args.config = args.config or str(common.REPO / "configs/default.py")
+    cores = common.host_parallelism()  # what "idle" virtual devices can have to themselves here
+    print(f"host: {cores['cpu_count']} CPUs, {cores['effective_cores']:.2f} cores' worth of computation at once "
+          f"(a single-threaded loop: {cores['alone_s']:.2f} s alone, "
+          + ", ".join(f"{t:.2f}" for t in cores["together_s"]) + f" s as {cores['workers']} at once)")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"spot": make_trainer(args, f"{tmp}/spot", True), "idle": make_trainer(args, f"{tmp}/idle", False)}
@@ -105,6 +111,7 @@ def main(argv=None):
     if losses:
         print(f"drafter loss: {losses[0][1]:.3f} (first spot update) -> {losses[-1][2]:.3f} (last)")
     common.write_json({"benchmark": "spot_training", "machine": common.machine(), "args": vars(args),
+                       "host_parallelism": cores,
                        "load_average": {"before": load_before, "after": load_after}, "summary": summary,
                        "step_time_ratio": step_ratio, "step_time_ratio_median": paired,
                        "rollout_time_ratio": rollout_ratio,

@@ -1,0 +1,23 @@
+"""benchmarks/common.py: the host-parallelism probe that spot_training.py reports."""
+
+import importlib.util
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _common():
+    spec = importlib.util.spec_from_file_location("bench_common", REPO / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_parallelism_measures_between_one_core_and_one_per_worker():
+    """Two single-threaded probe processes: each timed alone and together. Together they run at most
+    as fast as on a core each (effective cores <= 2, with timing slack) and at least as fast as
+    taking turns on one core (>= 1, with slack for a loaded machine)."""
+    result = _common().host_parallelism(workers=2, reps=10)
+    assert result["workers"] == 2 and len(result["together_s"]) == 2
+    assert result["alone_s"] > 0 and all(t > 0 for t in result["together_s"])
+    assert 0.6 < result["effective_cores"] < 2.6, result

@@ -98,16 +98,22 @@ def host_parallelism(workers: int = 2, reps: int = 60) -> dict:
     def run(n: int) -> list[float]:
         procs = [subprocess.Popen([sys.executable, "-c", _CORE_PROBE, str(reps)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for _ in range(n)]
-        for p in procs:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError("host_parallelism: a probe process failed before its loop")
-        for p in procs:  # all compiled: start the timed loops together
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        out = [float(p.communicate()[0]) for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError("host_parallelism: a probe process failed")
-        return out
+        try:
+            for p in procs:
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("host_parallelism: a probe process failed before its loop (see its stderr)")
+            for p in procs:  # all compiled: start the timed loops together
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            out = [p.communicate(timeout=600)[0] for p in procs]
+            if any(p.returncode for p in procs):
+                raise RuntimeError("host_parallelism: a probe process failed (see its stderr)")
+            return [float(x) for x in out]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     alone = run(1)[0]
     together = run(workers)

@@ -64,6 +64,10 @@ def main(argv=None):
     print(f"host: {cores['cpu_count']} CPUs, {cores['effective_cores']:.2f} cores' worth of computation at once "
           f"(a single-threaded loop: {cores['alone_s']:.2f} s alone, "
           + ", ".join(f"{t:.2f}" for t in cores["together_s"]) + f" s as {cores['workers']} at once)")
+    if cores["effective_cores"] < args.devices - 0.5:
+        print(f"note: {args.devices} virtual devices share about {cores['effective_cores']:.1f} cores' worth of "
+              "computation here, so an idle replica is not free hardware: the rollout time of the spot arm "
+              "includes contention, and the controller's own cost is the stop latency")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"spot": make_trainer(args, f"{tmp}/spot", True), "idle": make_trainer(args, f"{tmp}/idle", False)}

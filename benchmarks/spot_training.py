@@ -60,7 +60,7 @@ def main(argv=None):
     import common
 
     args.config = args.config or str(common.REPO / "configs/default.py")
-    cores = common.host_parallelism()  # what "idle" virtual devices can have to themselves here
+    cores = common.host_parallelism(workers=args.devices)  # what "idle" virtual devices can have to themselves
     print(f"host: {cores['cpu_count']} CPUs, {cores['effective_cores']:.2f} cores' worth of computation at once "
           f"(a single-threaded loop: {cores['alone_s']:.2f} s alone, "
           + ", ".join(f"{t:.2f}" for t in cores["together_s"]) + f" s as {cores['workers']} at once)")

@@ -95,6 +95,9 @@ def host_parallelism(workers: int = 2, reps: int = 60) -> dict:
     """
     import subprocess
 
+    if int(workers) != workers or workers < 1 or int(reps) != reps or reps < 1:
+        raise ValueError(f"host_parallelism: workers={workers!r} and reps={reps!r} must be whole numbers >= 1")
+
     def run(n: int) -> list[float]:
         procs = [subprocess.Popen([sys.executable, "-c", _CORE_PROBE, str(reps)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for _ in range(n)]
@@ -117,9 +120,14 @@ def host_parallelism(workers: int = 2, reps: int = 60) -> dict:
 
     alone = run(1)[0]
     together = run(workers)
-    mean_together = sum(together) / len(together)
     return dict(workers=workers, alone_s=alone, together_s=together,
-                effective_cores=workers * alone / mean_together, cpu_count=os.cpu_count())
+                effective_cores=effective_cores(alone, together), cpu_count=os.cpu_count())
+
+
+def effective_cores(alone: float, together: list[float]) -> float:
+    """Cores' worth of computation that ``len(together)`` copies of a loop taking ``alone`` seconds by
+    itself got when they ran at once, each taking ``together[i]`` seconds."""
+    return len(together) * alone / (sum(together) / len(together))
 
 
 def write_json(result: dict, out: str, quiet: bool = False) -> None:

@@ -1,18 +1,22 @@
 """Spot drafter training must not delay the critical path: RL steps with it on vs off, side by side.
 
-Two trainers from the same config and seed run on rollout replicas
+Three trainers from the same config and seed run on rollout replicas
 (``controller.replica_size``) over virtual CPU devices, speculation off (so the
-drafter cannot change the rollout): one trains the drafter on the replicas that
-finish early (spot training), the other leaves them idle. Their steps alternate, the
-arm that goes first changing every step (it pays the compilations the two share).
-Reported per arm: mean RL step time and rollout wall time, and their ratio (the
-target is within 2%), idle device-seconds without and with spot training, spot
-updates per RL step, their mean duration, the stop latency (how long the step
-boundary waited for the update in flight), background compilation time and the
-drafter's loss over the run; and the machine's load average before and after
-(the virtual devices share the host's cores with whatever else runs there) and its measured
-parallelism (`common.host_parallelism`: how many single-threaded computations it runs at once at
-full speed), which bounds what an "idle" virtual device has to itself.
+drafter cannot change the rollout): two train the drafter on the replicas that
+finish early (spot training), one with the contention guard of the config
+(``controller.spot_guard``, which rations the updates by how much they slow the
+decoding replicas down) and one without it; the third leaves them idle. Their
+steps alternate, the arm that goes first changing every step (it pays the
+compilations they share). Reported per spot arm against the idle one: mean RL
+step time and rollout wall time, and their ratio (the target is within 2%), idle
+device-seconds without and with spot training, spot updates per RL step, their
+mean duration, the stop latency (how long the step boundary waited for the update
+in flight), background compilation time, the guard's measured slowdown and duty,
+and the drafter's loss over the run; and the machine's load average before and
+after (the virtual devices share the host's cores with whatever else runs there)
+and its measured parallelism (`common.host_parallelism`: how many single-threaded
+computations it runs at once at full speed), which bounds what an "idle" virtual
+device has to itself.
 
     python benchmarks/spot_training.py --steps 8
     python benchmarks/spot_training.py --devices 8 --replica-size 2 --steps 10
@@ -36,17 +40,20 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the timing (compilations)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. rl.lr=1e-4")
+    p.add_argument("--no-unguarded", dest="unguarded", action="store_false",
+                   help="leave out the third arm: spot training without the contention guard")
     p.add_argument("--out", default="benchmarks/results/spot_training.json")
     return p.parse_args(argv)
 
 
-def make_trainer(args, workdir: str, spot: bool):
+def make_trainer(args, workdir: str, spot: bool, guard: bool = True):
     import common
 
+    extra = {} if guard else {"controller.spot_guard": 0.0}
     return common.make_trainer(args.config, args.set, workdir, args.steps, {
         "rl.drafter_steps": 0,  # no inline drafter updates: only spot training differs
         "rollout.spec_threshold": 0,  # speculation off: the rollout is the same with or without
-        "controller.replica_size": args.replica_size, "controller.spot_training": spot})
+        "controller.replica_size": args.replica_size, "controller.spot_training": spot, **extra})
 
 
 def main(argv=None):
@@ -71,13 +78,17 @@ def main(argv=None):
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"spot": make_trainer(args, f"{tmp}/spot", True), "idle": make_trainer(args, f"{tmp}/idle", False)}
+        if args.unguarded:
+            runs["unguarded"] = make_trainer(args, f"{tmp}/unguarded", True, guard=False)
         hist = common.alternate_steps(runs, args.steps, rotate=True, line=lambda name, m: (
             f"{m['time/step']:6.2f} s (rollout {m['time/rollout']:6.2f} s, idle "
             f"{m['controller/idle_device_seconds']:6.2f} dev-s, left idle {m['controller/idle_device_seconds_spot']:6.2f}, "
             f"spot updates {m.get('spot/steps', 0):.0f} of {m.get('spot/update_seconds', 0):.2f} s, stop latency "
             f"{m['controller/stop_latency']:.3f} s (" + ", ".join(
                 f"{v:.3f} {k.removeprefix('spot/stop_')}" for k, v in m.items() if k.startswith("spot/stop_while_"))
-            + f"), compiling {m.get('spot/compile_seconds', 0):.1f} s)"))
+            + f"), compiling {m.get('spot/compile_seconds', 0):.1f} s"
+            + (f"; guard: slowdown {m['spot/guard_slowdown']:.2f}, duty {m['spot/guard_duty']:.3f}"
+               if "spot/guard_duty" in m else "") + ")"))
     load_after = os.getloadavg()
     timed = {k: [r for r in v if r["step"] > args.skip] or v for k, v in hist.items()}
     mean = lambda rows, key: float(statistics.fmean(r.get(key, 0.0) for r in rows))  # noqa: E731
@@ -92,34 +103,45 @@ def main(argv=None):
         "stop_in_update_s": mean(rows, "spot/stop_in_update"), "stop_after_update_s": mean(rows, "spot/stop_after_update"),
         "mean_update_s": mean(rows, "time/update"),
         # the spot trainer's loop: seconds per phase and step; what the stops waited for, by phase
+        "guard_slowdown": rows[-1].get("spot/guard_slowdown"), "guard_duty": rows[-1].get("spot/guard_duty"),
         "spot_phase_s": {k.removeprefix("spot/seconds_"): mean(rows, k) for k in sorted(
             {k for r in rows for k in r if k.startswith("spot/seconds_")})},
         "stop_while": {k.removeprefix("spot/stop_while_"): [r[k] for r in rows if k in r] for k in sorted(
             {k for r in rows for k in r if k.startswith("spot/stop_while_")})},
     } for name, rows in timed.items()}
-    losses = [(r["step"], r["spot/loss_first"], r["spot/loss_last"]) for r in hist["spot"] if "spot/loss_first" in r]
-    s, i = summary["spot"], summary["idle"]
-    step_ratio, rollout_ratio = s["mean_step_s"] / i["mean_step_s"], s["mean_rollout_s"] / i["mean_rollout_s"]
-    # the same step of both arms has the same rollout and update shapes: its ratio cancels what the steps share
-    paired = statistics.median(a["time/step"] / b["time/step"] for a, b in zip(timed["spot"], timed["idle"]))
-    d_step, d_rollout = s["mean_step_s"] - i["mean_step_s"], s["mean_rollout_s"] - i["mean_rollout_s"]
-    print(f"\nstep time: spot training {s['mean_step_s']:.2f} s vs idle {i['mean_step_s']:.2f} s -> "
-          f"{100 * (step_ratio - 1):+.1f}% (median of the steps' ratios {100 * (paired - 1):+.1f}%; rollout "
-          f"{100 * (rollout_ratio - 1):+.1f}%); idle device-seconds per step {i['idle_device_s']:.2f} -> "
-          f"{s['idle_device_s_left']:.2f} left idle with {s['spot_updates_per_step']:.1f} spot updates per step")
-    print(f"step-time difference {d_step:+.2f} s = rollout {d_rollout:+.2f} s + stop latency "
-          f"{s['stop_latency_s']:.3f} s (max {s['max_stop_latency_s']:.3f} s; in the update in flight "
-          f"{s['stop_in_update_s']:.3f} s, after it {s['stop_after_update_s']:.3f} s; a spot update takes "
-          f"{s['spot_update_s']:.2f} s) + the rest {d_step - d_rollout - s['stop_latency_s']:+.2f} s; "
-          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    if losses:
-        print(f"drafter loss: {losses[0][1]:.3f} (first spot update) -> {losses[-1][2]:.3f} (last)")
+    i = summary["idle"]
+    ratios, losses = {}, {}
+    for arm in [a for a in ("spot", "unguarded") if a in summary]:
+        s = summary[arm]
+        losses[arm] = [(r["step"], r["spot/loss_first"], r["spot/loss_last"]) for r in hist[arm]
+                       if "spot/loss_first" in r]
+        step_ratio, rollout_ratio = s["mean_step_s"] / i["mean_step_s"], s["mean_rollout_s"] / i["mean_rollout_s"]
+        # the same step of both arms has the same rollout and update shapes: its ratio cancels what they share
+        paired = statistics.median(a["time/step"] / b["time/step"] for a, b in zip(timed[arm], timed["idle"]))
+        ratios[arm] = {"step_time_ratio": step_ratio, "step_time_ratio_median": paired,
+                       "rollout_time_ratio": rollout_ratio}
+        d_step, d_rollout = s["mean_step_s"] - i["mean_step_s"], s["mean_rollout_s"] - i["mean_rollout_s"]
+        label = "spot training with the guard" if arm == "spot" else "spot training without the guard"
+        print(f"\nstep time: {label} {s['mean_step_s']:.2f} s vs idle {i['mean_step_s']:.2f} s -> "
+              f"{100 * (step_ratio - 1):+.1f}% (median of the steps' ratios {100 * (paired - 1):+.1f}%; rollout "
+              f"{100 * (rollout_ratio - 1):+.1f}%); idle device-seconds per step {i['idle_device_s']:.2f} -> "
+              f"{s['idle_device_s_left']:.2f} left idle with {s['spot_updates_per_step']:.1f} spot updates per step")
+        print(f"step-time difference {d_step:+.2f} s = rollout {d_rollout:+.2f} s + stop latency "
+              f"{s['stop_latency_s']:.3f} s (max {s['max_stop_latency_s']:.3f} s; in the update in flight "
+              f"{s['stop_in_update_s']:.3f} s, after it {s['stop_after_update_s']:.3f} s; a spot update takes "
+              f"{s['spot_update_s']:.2f} s) + the rest {d_step - d_rollout - s['stop_latency_s']:+.2f} s")
+        if s.get("guard_duty") is not None:
+            print(f"guard: measured slowdown of a decode call under training {s['guard_slowdown']:.2f}, "
+                  f"duty {s['guard_duty']:.3f} (the share of the tail it lets the trainer be busy)")
+        if losses[arm]:
+            print(f"drafter loss: {losses[arm][0][1]:.3f} (first spot update) -> {losses[arm][-1][2]:.3f} (last)")
+    print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    step_ratio = ratios["spot"]["step_time_ratio"]
     common.write_json({"benchmark": "spot_training", "machine": common.machine(), "args": vars(args),
                        "host_parallelism": cores,
                        "load_average": {"before": load_before, "after": load_after}, "summary": summary,
-                       "step_time_ratio": step_ratio, "step_time_ratio_median": paired,
-                       "rollout_time_ratio": rollout_ratio,
-                       "drafter_loss": losses, "history": hist}, args.out)
+                       **ratios["spot"], "ratios": ratios,
+                       "drafter_loss": losses["spot"], "drafter_losses": losses, "history": hist}, args.out)
     return np.isfinite(step_ratio)
 
 

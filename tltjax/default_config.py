@@ -134,6 +134,8 @@ def get_config() -> ConfigDict:
     config.controller.spot_training = True  # replicas that finish early train the drafter (needs >= 2)
     config.controller.spot_rows_per_device = 4  # packed rows per training device and update
     config.controller.spot_max_steps = 0  # most spot updates per RL step (0: as many as the tail allows)
+    # spot training slows the decoding replicas by at most this (measured; tltjax/controller/guard.py); 0: off
+    config.controller.spot_guard = 0.02
     config.controller.nice = 19  # priority of spot training's background XLA compilations (shared CPU cores); -1 keeps it
 
     # Several processes (hosts): jax.distributed (tltjax/distributed.py). Each runs the same command.

@@ -10,6 +10,7 @@ are the evidence that each replica's chunks land in that one bandit.
 import collections
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,33 @@ def test_replicas_share_one_bandit(replicas, engines, stop_token):
         assert len(ts) == len(set(ts)) and max(ts) == s["pulls"] - 1
     assert bandit.metrics()["bandit/pulls"] == sum(total.values()) == sum(len(st.batch_trace) for st in res.stats)
     assert Bandit.from_state_dict(json.loads(json.dumps(bandit.state_dict()))).table() == bandit.table()
+
+
+def test_the_guard_hears_the_decoding_replicas_and_the_caller_still_gets_progress(replicas, engines, stop_token):
+    """With a `ContentionGuard` on the spot trainer, every decode call of every replica reaches it, keyed by
+    (replica, bucket, strategy, replicas still decoding); only calls made while some replica was idle count,
+    and it hears calls both clear of training and overlapped with it (a batch takes 20 ms to prepare, so the
+    trainer is busy for that long at a time). The caller's own progress hook still sees every call."""
+    from tltjax.controller.guard import ContentionGuard
+
+    def sample(rng, rows):
+        time.sleep(0.02)
+        return rng.normal(size=(rows, 8)).astype(np.float32)
+
+    guard = ContentionGuard(0.02)
+    spot = SpotTrainer(jax.jit(_toy_update), sample, rows_per_device=2, guard=guard)
+    ctl = Controller(replicas, engines, spot=spot)
+    calls = []
+    state = {"w": jnp.zeros(()), "n": jnp.zeros((), jnp.int32)}
+    for step in range(2):
+        before = len(calls)
+        res = ctl.rollout(step, PROMPTS, n=2, max_new_tokens=96, sampling=SamplingParams(0.0),
+                          stop_ids=(stop_token,), seed=step, drafter_state=state, target_params={},
+                          progress=calls.append)
+        state = res.drafter_state
+        assert len(calls) - before == sum(len(st.batch_trace) for st in res.stats)  # one per decode call
+        assert res.metrics()["spot/guard_duty"] == res.spot.guard["duty"] > 0
+    assert all(c["call_end"] > c["call_start"] and isinstance(c["strategy"], str) for c in calls)
+    keys = list(guard._calls)
+    assert keys and {k[0] for k in keys} <= set(range(4)) and all(k[3] < 4 for k in keys)
+    assert guard.counts["clear"] > 0 and guard.counts["overlapped"] + guard.counts["mixed"] > 0

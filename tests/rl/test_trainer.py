@@ -85,6 +85,7 @@ def test_replicas_with_spot_training_on_eight_devices(tmp_path, cache_dir):
         assert r["logprob/mismatch_max"] < 5e-4 and r["drafter/buffer_entries"] > 0
         assert r["controller/idle_device_seconds_spot"] <= r["controller/idle_device_seconds"]
         assert r["spot/compile_waits"] == 0 and r["spot/compile_seconds"] == 0
+        assert 0 < r["spot/guard_duty"] <= 1  # the contention guard (on by default) rationed the updates
     assert sum(r["spot/steps"] for r in rows) > 0  # some idle devices trained
     trans = [json.loads(line) for line in (tmp_path / "ctl" / "controller.jsonl").read_text().splitlines()]
     for step in (1, 2):

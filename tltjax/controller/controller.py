@@ -150,6 +150,22 @@ class Controller:
         if spot is not None:
             spot.start(drafter_state, target_params, self.training_devices, step=step,
                        device_sets=self.training_meshes())
+        guard = spot.guard if spot is not None else None
+        user_progress = generate_kwargs.pop("progress", None)
+
+        def progress_of(r: int):
+            """The engine's progress hook for replica ``r``: its decode calls' spans go to the guard."""
+            if guard is None:
+                return user_progress
+
+            def hook(p: dict) -> None:
+                decoding = len(self.log.in_phase(Phase.ROLLOUT))
+                if "call_start" in p:
+                    guard.record_call((r, p["bucket"], p["strategy"], decoding), p["call_start"], p["call_end"],
+                                      some_idle=decoding < r_count)
+                if user_progress is not None:
+                    user_progress(p)
+            return hook
 
         def work(r: int) -> None:
             local = shares[r]
@@ -160,7 +176,8 @@ class Controller:
                         on_finish(s)
 
                 seqs, stats = self.engines[r].generate(
-                    [prompts[i] for i in local], n=n, seed=seed + 7919 * r, on_finish=relabel, **generate_kwargs)
+                    [prompts[i] for i in local], n=n, seed=seed + 7919 * r, on_finish=relabel,
+                    progress=progress_of(r), **generate_kwargs)
                 results[r] = (seqs, stats)
                 if on_replica_done is not None:
                     on_replica_done(r, seqs)

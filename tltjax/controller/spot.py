@@ -16,6 +16,12 @@ waits. `warmup` compiles them ahead of time instead.
 It stops at an update boundary: `stop` waits for the update in flight (placing
 its inputs, running it), never for a compilation.
 
+With a `ContentionGuard` the trainer yields between updates as far as the guard
+asks (phase ``yielding``; a stop ends the wait at once), so that where the
+training devices share hardware with the decoding ones the tail slows down by at
+most the guard's tolerance; it tells the guard when it is busy, and the
+controller tells it how long the replicas' decode calls take.
+
 Priorities. Only XLA's compilations run at a low scheduling priority (``nice``,
 on a thread of their own: they do not hold the GIL). The trainer's thread and the
 tracing before a compilation hold the GIL while they run Python; at a low
@@ -41,6 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from tltjax.controller.guard import ContentionGuard
 from tltjax.controller.programs import MeshPrograms
 
 
@@ -60,6 +67,7 @@ class SpotStats:
     stop_phase: str = ""  # what the trainer was doing then (see `SpotTrainer._enter`)
     phase_seconds: dict = dataclasses.field(default_factory=dict)  # seconds per phase of the trainer's loop
     stopped: float = 0.0  # clock when it returned
+    guard: dict = dataclasses.field(default_factory=dict)  # `ContentionGuard.summary` at the stop
     error: str = ""
 
     def stop_wait(self) -> tuple[float, float]:
@@ -79,6 +87,7 @@ class SpotStats:
                "update_seconds": float(np.mean([b - a for a, b, _ in self.intervals])) if self.intervals else 0.0}
         out["stop_in_update"], out["stop_after_update"] = self.stop_wait()
         out.update({f"seconds_{k}": v for k, v in self.phase_seconds.items()})
+        out.update({f"guard_{k}": v for k, v in self.guard.items()})
         if self.stop_phase:  # how long the stop waited, under what the trainer was doing when it came
             out[f"stop_while_{self.stop_phase}"] = self.stopped - self.stop_requested
         if self.losses:
@@ -116,8 +125,11 @@ class SpotTrainer:
     there is no data. ``rows_per_device`` rows per training device: the global batch
     grows with the mesh, each device's share, and so an update's duration, does not.
     ``max_steps`` caps updates per RL step (None: as many as the tail allows). ``nice``: the
-    scheduling priority of the background compilations (None: unchanged).
+    scheduling priority of the background compilations (None: unchanged). ``guard``: a
+    `ContentionGuard` that rations the updates (None: as many as the devices allow).
     """
+
+    ACTIVE = frozenset({"sampling", "binding", "placing", "updating"})  # phases the guard counts as busy
 
     def __init__(
         self,
@@ -128,13 +140,14 @@ class SpotTrainer:
         seed: int = 0,
         nice: int | None = 19,
         max_steps: int | None = None,
+        guard: ContentionGuard | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         if rows_per_device < 1:
             raise ValueError(f"rows_per_device={rows_per_device} must be >= 1")
         self.sample_batch = sample_batch
         self.rows_per_device, self.seed, self.nice, self.max_steps = rows_per_device, seed, nice, max_steps
-        self.clock = clock
+        self.clock, self.guard = clock, guard
         self.programs = MeshPrograms(update_fn, (P(), P(), P("data")))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -240,6 +253,8 @@ class SpotTrainer:
         self._thread = None
         self.stats.stopped = self.clock()
         self._enter("stopped")
+        if self.guard is not None:
+            self.stats.guard = self.guard.summary()
         while self._compiled:  # (the compiler thread may append meanwhile: pop is atomic)
             self.stats.compiles.append(self._compiled.pop(0))
         error = self.stats.error or self._compile_error
@@ -250,11 +265,28 @@ class SpotTrainer:
 
     # ------------------------------------------------------------------ the loop
     def _enter(self, phase: str) -> None:
-        """Notes that the trainer's loop now does ``phase`` (waiting, sampling, binding, placing, updating)."""
+        """Notes that the trainer's loop now does ``phase`` (waiting, yielding, sampling, binding, placing,
+        updating, finished)."""
         now = self.clock()
         if self._phase != "stopped":
             self.stats.phase_seconds[self._phase] = self.stats.phase_seconds.get(self._phase, 0.0) + now - self._since
+        if self.guard is not None and (phase in self.ACTIVE) != (self._phase in self.ACTIVE):
+            if phase in self.ACTIVE:
+                self.guard.busy_start(now)
+            else:
+                self.guard.busy_end(now)
         self._phase, self._since = phase, now
+
+    def _yield(self) -> bool:
+        """Yields as long as the guard asks (until a stop); False when it asks nothing."""
+        wait = self.guard.wait_before_update() if self.guard is not None else 0.0
+        if wait <= 0.0:
+            return False
+        self._enter("yielding")
+        t0 = self.clock()
+        self._stop.wait(wait)
+        self.guard.earned(self.clock() - t0)
+        return True
 
     def _idle(self) -> None:
         self._enter("waiting")
@@ -265,7 +297,7 @@ class SpotTrainer:
         try:
             while not self._stop.is_set():
                 if self.max_steps is not None and self.stats.steps >= self.max_steps:
-                    return
+                    break
                 free = tuple(self._devices_fn())
                 if not free:
                     self._idle()
@@ -286,17 +318,24 @@ class SpotTrainer:
                     self._idle()
                     continue
                 devices, program = got
+                if self._yield():
+                    continue
+                began = self.clock()
                 self._enter("sampling")
                 batch = self.sample_batch(self._rng, self.rows_per_device * len(devices))
                 if batch is None:
                     self.stats.starved += 1
                     self._idle()
                     continue
-                self._update(devices, program, batch)
+                if self._update(devices, program, batch) and self.guard is not None:
+                    self.guard.spent(self.clock() - began)
         except Exception as e:  # surfaced by stop(); the rollout threads are not disturbed
             self.stats.error = f"{type(e).__name__}: {e}"
+        finally:
+            self._enter("finished")
 
-    def _update(self, devices: tuple, program, batch) -> None:
+    def _update(self, devices: tuple, program, batch) -> bool:
+        """One update on ``devices``; False when a stop came before it ran."""
         key = tuple(d.id for d in devices)
         self._enter("placing")
         t0 = self.clock()
@@ -306,7 +345,7 @@ class SpotTrainer:
         state = jax.device_put(self.state, replicated)
         batch = jax.device_put(batch, rows)
         if self._stop.is_set():  # the rollout ended while the inputs were placed: not worth an update
-            return
+            return False
         self._enter("updating")
         state, metrics = program(state, self._targets[key], batch)
         metrics = jax.device_get(metrics)  # waits for the update: the interval is its real span
@@ -317,3 +356,4 @@ class SpotTrainer:
         self.stats.mesh_sizes.append(len(devices))
         self.stats.metrics.append({k: float(v) for k, v in metrics.items()})
         self.stats.losses.append(float(metrics["loss"]))
+        return True

@@ -441,6 +441,7 @@ class Trainer:
         """Rollout replicas over this host's devices, and a spot trainer when there are several."""
         from tltjax.controller import partition_devices
         from tltjax.controller.controller import Controller
+        from tltjax.controller.guard import ContentionGuard
         from tltjax.controller.spot import SpotTrainer
         from tltjax.drafter.train import drafter_update
         from tltjax.rollout.engine import Engine
@@ -452,7 +453,8 @@ class Trainer:
         if ctl.spot_training and len(replicas) > 1 and self.train_drafter:
             spot = SpotTrainer(drafter_update, self._sample_drafter_batch, rows_per_device=ctl.spot_rows_per_device,
                                seed=self.config.seed + 2, nice=None if ctl.nice < 0 else ctl.nice,
-                               max_steps=ctl.spot_max_steps or None)
+                               max_steps=ctl.spot_max_steps or None,
+                               guard=ContentionGuard(ctl.spot_guard) if ctl.spot_guard > 0 else None)
         self.log(f"rl: {len(replicas)} rollout replicas of {ctl.replica_size} device(s)"
                  + (", idle ones train the drafter" if spot else ""))
         return Controller(replicas, engines, spot=spot)
@@ -863,6 +865,7 @@ def check_config(config: ConfigDict) -> None:
          f"must be 0 (one engine) or divide this host's {local} devices (a replica never spans hosts)"),
         ("spot_rows_per_device", ctl.spot_rows_per_device >= 1, "must be >= 1"),
         ("spot_max_steps", ctl.spot_max_steps >= 0, "must be >= 0 (0: no cap)"),
+        ("spot_guard", 0 <= ctl.spot_guard < 1, "must be in [0, 1): the allowed slowdown of the tail (0: no guard)"),
     ]:
         if not ok:
             raise ConfigError(f"config.controller.{name}={ctl[name]!r} {why}")

@@ -479,7 +479,8 @@ class Engine:
         callable ``bucket -> Strategy | None``, or a `Bandit`, which chooses among
         `arms` per chunk and is updated after each call (tokens, seconds, rows).
         Only strategies of the compiled pool can run. ``progress`` receives a
-        dict after every device call (tokens, active rows, mean accept length).
+        dict after every decode call (tokens, active rows, mean accept length, and the call's bucket,
+        strategy and `time.perf_counter` span ``call_start``, ``call_end``).
         ``on_finish`` receives each sequence as soon as it finishes (its tokens,
         log-probs and finish reason are final; ``features`` are filled in at the
         end of the call), so that work on it (e.g. its reward) overlaps the tail.
@@ -611,7 +612,8 @@ class Engine:
                 prog = self._programs[("spec", bucket, strat)]
                 self._state, out = prog(self.tparams, self.dparams, self._state, idx, table, group, stops, key_data())
             out = jax.device_get(out)
-            dt = time.perf_counter() - t0
+            t_call, t_done = t0, time.perf_counter()
+            dt = t_done - t0
             device_s = min(dt, time.process_time() - c0) if self._cpu_clock else dt
             t0 = time.perf_counter()
             emitted = 0
@@ -646,7 +648,9 @@ class Engine:
             stats.time_host += time.perf_counter() - t0
             if progress is not None:
                 progress({"tokens": stats.tokens, "active": len(slot_of), "waiting": len(queue),
-                          "accept": stats.mean_accept_length})
+                          "accept": stats.mean_accept_length, "bucket": bucket,
+                          "strategy": "plain" if strat is None else strat.name, "call_start": t_call,
+                          "call_end": t_done})
         for s in seqs:
             if return_features:
                 s.features = np.stack(s._feats) if s._feats else None

@@ -1,0 +1,189 @@
+"""`tltjax.controller.guard`: spot training rationed so that the decoding replicas slow down by at most a
+tolerance, from the measured spans of their decode calls.
+
+The rule is checked on a simulated tail (a clock of its own, decode calls that run ``s`` times slower while
+the trainer is busy) and then on the real `SpotTrainer` thread, whose yields a stop must cut short.
+"""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tltjax.controller.guard import ContentionGuard
+from tltjax.controller.spot import SpotTrainer
+
+
+def _feed(guard, clear: float, over: float, n: int, key="k"):
+    """``n`` clear calls of ``clear`` s and ``n`` overlapped calls of ``over`` s, on the guard's own timeline."""
+    t = 1000.0 + 10.0 * len(guard._busy)
+    for i in range(n):
+        guard.record_call(key, t, t + clear, some_idle=True)
+        t += clear + 1.0
+        guard.busy_start(t)
+        guard.record_call(key, t, t + over, some_idle=True)
+        t += over
+        guard.busy_end(t)
+        t += 1.0
+
+
+def test_calls_are_classified_by_their_overlap_with_the_trainers_busy_time():
+    g = ContentionGuard()
+    g.busy_start(10.0)
+    g.busy_end(11.0)
+    assert g.record_call("k", 10.2, 10.8, some_idle=True) == "overlapped"
+    assert g.record_call("k", 10.7, 11.5, some_idle=True) == "mixed"  # 0.3 of 0.8 s overlaps
+    assert g.record_call("k", 10.8, 11.1, some_idle=True) == "overlapped"  # 0.2 of 0.3 s
+    assert g.record_call("k", 11.5, 12.0, some_idle=True) == "clear"
+    assert g.record_call("k", 11.5, 12.0, some_idle=False) == "skipped"  # nobody idle: not comparable
+    assert g.record_call("k", 12.0, 12.0, some_idle=True) == "skipped"
+    g.busy_start(20.0)  # an interval still in progress counts up to the call's end
+    assert g.record_call("k", 19.0, 21.0, some_idle=True) == "overlapped"
+    assert g.counts == {"clear": 1, "overlapped": 3, "mixed": 1, "yields": 0}
+
+
+def test_slowdown_is_the_ratio_of_medians_weighted_over_keys():
+    g = ContentionGuard(min_samples=3)
+    assert g.slowdown() is None and g.duty() == g.probe_duty
+    _feed(g, 0.1, 0.3, 2, key="a")
+    assert g.slowdown() is None  # 2 < min_samples of each kind
+    _feed(g, 0.1, 0.3, 2, key="a")
+    assert g.slowdown() == pytest.approx(3.0)
+    _feed(g, 0.2, 0.2, 12, key="b")  # three times as many overlapped calls, no slowdown
+    assert g.slowdown() == pytest.approx((4 * 3.0 + 12 * 1.0) / 16)
+
+
+@pytest.mark.parametrize("ratio,duty", [(1.0, 1.0), (1.02, 1.0), (1.5, 0.06), (3.0, 0.03), (100.0, 2 / 99)])
+def test_duty_keeps_the_mean_slowdown_within_the_tolerance(ratio, duty):
+    """Busy a share d of the time, at 1/s of the speed there, the tail loses d (1 - 1/s) of its time."""
+    g = ContentionGuard(0.02)
+    _feed(g, 0.1, 0.1 * ratio, 6)
+    assert g.duty() == pytest.approx(duty, rel=1e-3)
+    assert g.duty() * (1 - 1 / g.slowdown()) <= 0.02 + 1e-12
+
+
+def test_token_bucket_yields_what_the_duty_asks_and_carries_the_balance():
+    g = ContentionGuard(0.02)
+    _feed(g, 0.1, 0.3, 6)  # s = 3: d = 0.03, each busy second costs 97 / 3 yielded ones
+    assert g.wait_before_update() == 0.0  # no update span known yet: the first goes ahead
+    g.spent(0.5)
+    assert g.credit == -0.5
+    assert g.wait_before_update() == pytest.approx(97 / 3)  # pay the debt and earn the next span
+    g.earned(20.0)  # a step boundary cut the yield short: the balance stays
+    assert g.credit == pytest.approx(-0.5 + 20 * 0.03 / 0.97)
+    g.earned(97 / 3 - 20)
+    assert g.credit == pytest.approx(0.5) and g.wait_before_update() == 0.0
+    g.earned(100.0)
+    assert g.credit == pytest.approx(0.5), "at most one update's worth is banked"
+
+
+def test_at_full_duty_it_still_yields_now_and_then_to_keep_the_clear_calls_current():
+    g = ContentionGuard(0.02, probe_every=4)
+    _feed(g, 0.1, 0.1, 6)
+    waits = []
+    for _ in range(12):
+        w = g.wait_before_update()
+        waits.append(w)
+        if w:
+            g.earned(w)
+        g.spent(0.25)
+    assert waits[0] == 0.0 and waits.count(0.25) == 2 and waits.count(0.0) == 10
+
+
+def test_bad_settings_are_rejected():
+    for kw in ({"tolerance": 0.0}, {"min_duty": 0.0}, {"probe_duty": 1.0}, {"min_samples": 0},
+               {"window": 3, "min_samples": 5}, {"probe_every": 0}, {"min_duty": 0.6, "probe_duty": 0.5}):
+        with pytest.raises(ValueError):
+            ContentionGuard(**kw)
+
+
+def _simulate(s_true: float, tol: float = 0.02, horizon: float = 120.0, dt: float = 1e-3, call: float = 0.02,
+              update: float = 0.1):
+    """A tail of ``horizon`` seconds: a replica's decode calls of ``call`` s of work, run ``s_true`` times
+    slower while the trainer is busy, and a trainer of ``update``-second updates that the guard rations.
+    Returns (slowdown over the second half, updates, the guard)."""
+    now = [0.0]
+    g = ContentionGuard(tol, clock=lambda: now[0])
+    trainer, began, busy_left, yield_end, yield_start = "ready", 0.0, 0.0, 0.0, 0.0
+    call_start, done, updates = 0.0, 0.0, 0
+    half_work = None
+    for i in range(int(horizon / dt)):
+        t = now[0] = i * dt
+        if trainer == "ready":
+            w = g.wait_before_update()
+            if w > 0:
+                g.busy_end(t)
+                trainer, yield_start, yield_end = "yield", t, t + w
+            else:
+                g.busy_start(t)
+                trainer, began, busy_left = "busy", t, update
+        elif trainer == "yield" and t >= yield_end:
+            g.earned(t - yield_start)
+            trainer = "ready"
+        rate = 1.0 / s_true if trainer == "busy" else 1.0
+        done += rate * dt
+        if trainer == "busy":
+            busy_left -= dt
+            if busy_left <= 1e-12:
+                g.spent(t + dt - began)
+                updates += 1
+                trainer = "ready"
+        if done >= call:
+            g.record_call("k", call_start, t + dt, some_idle=True)
+            call_start, done = t + dt, done - call
+            if half_work is not None:
+                half_work += call
+        if half_work is None and t >= horizon / 2:
+            half_work = 0.0
+    return (horizon / 2) / half_work - 1.0, updates, g
+
+
+@pytest.mark.parametrize("s_true", [1.0, 1.5, 3.0])
+def test_a_simulated_tail_slows_down_by_at_most_the_tolerance(s_true):
+    """Once the guard has measured the slowdown, the tail runs within the tolerance, and the trainer uses
+    the share it is allowed: every update on free hardware, a share of 0.02 s / (s - 1) on shared hardware."""
+    slowdown, updates, g = _simulate(s_true)
+    assert g.slowdown() == pytest.approx(s_true, rel=0.1)
+    assert slowdown <= 0.02 * 1.15 + 0.002
+    if s_true == 1.0:
+        assert slowdown < 0.002 and updates >= 0.9 * 120 / 0.1
+    else:
+        allowed = 0.02 * s_true / (s_true - 1)
+        assert updates >= 0.6 * allowed * 120 / 0.1 and slowdown >= 0.01
+
+
+def test_spot_trainer_yields_as_the_guard_asks_and_a_stop_cuts_the_yield_short():
+    """A guard that measured a slowdown of 100 allows the trainer 2% of the time: after its first
+    update it yields for about 100 times the update's span; a stop during that yield returns at once, and
+    the guard's figures are in the stats."""
+    @jax.jit
+    def update(state, target_params, batch):
+        return {"n": state["n"] + 1}, {"loss": jnp.mean(batch["x"])}
+
+    guard = ContentionGuard(0.02)
+    _feed(guard, 0.1, 10.0, 6)
+    assert guard.duty() == pytest.approx(2 / 99)
+    def sample(rng, rows):  # 50 ms of preparing a batch: the span of an update is at least that
+        time.sleep(0.05)
+        return {"x": rng.normal(size=(rows, 4)).astype(np.float32)}
+
+    dev = jax.devices()[:1]
+    spot = SpotTrainer(update, sample, rows_per_device=2, guard=guard)
+    spot.start({"n": jnp.zeros((), jnp.int32)}, {}, lambda: dev, step=0, device_sets=[dev])
+    deadline = time.perf_counter() + 120
+    while spot._phase != "yielding" or spot.stats.steps < 1:
+        assert time.perf_counter() < deadline and not spot.stats.error, spot.stats.error
+        time.sleep(0.01)
+    time.sleep(0.3)
+    t = time.perf_counter()
+    state, st = spot.stop()
+    assert time.perf_counter() - t < 0.25
+    assert st.steps == 1 == int(state["n"])
+    assert st.stop_phase == "yielding" and st.phase_seconds["yielding"] >= 0.25
+    assert guard.wait_before_update() > 90 * guard.last_span
+    summary = st.summary()
+    assert summary["guard_duty"] == pytest.approx(2 / 99) and summary["guard_yields"] >= 1
+    assert math.isclose(summary["guard_slowdown"], 100.0)

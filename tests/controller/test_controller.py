@@ -181,7 +181,7 @@ def test_replicas_share_one_bandit(replicas, engines, stop_token):
 
 def test_the_guard_hears_the_decoding_replicas_and_the_caller_still_gets_progress(replicas, engines, stop_token):
     """With a `ContentionGuard` on the spot trainer, every decode call of every replica reaches it, keyed by
-    (replica, bucket, strategy, replicas still decoding); only calls made while some replica was idle count,
+    (bucket, strategy, replicas still decoding); only calls made while some replica was idle count,
     and it hears calls both clear of training and overlapped with it (a batch takes 20 ms to prepare, so the
     trainer is busy for that long at a time). The caller's own progress hook still sees every call."""
     from tltjax.controller.guard import ContentionGuard
@@ -205,5 +205,5 @@ def test_the_guard_hears_the_decoding_replicas_and_the_caller_still_gets_progres
         assert res.metrics()["spot/guard_duty"] == res.spot.guard["duty"] > 0
     assert all(c["call_end"] > c["call_start"] and isinstance(c["strategy"], str) for c in calls)
     keys = list(guard._calls)
-    assert keys and {k[0] for k in keys} <= set(range(4)) and all(k[3] < 4 for k in keys)
+    assert keys and all(k[0] in engines[0].config.buckets and 1 <= k[2] < 4 for k in keys)
     assert guard.counts["clear"] > 0 and guard.counts["overlapped"] + guard.counts["mixed"] > 0

@@ -45,15 +45,29 @@ def test_calls_are_classified_by_their_overlap_with_the_trainers_busy_time():
     assert g.counts == {"clear": 1, "overlapped": 3, "mixed": 1, "yields": 0}
 
 
-def test_slowdown_is_the_ratio_of_medians_weighted_over_keys():
-    g = ContentionGuard(min_samples=3)
+def test_slowdown_is_the_median_over_every_keys_overlapped_calls():
+    """Each overlapped call is compared with its own key's clear calls; the estimates of all keys pool."""
+    g = ContentionGuard(min_samples=5, min_clear=3)
     assert g.slowdown() is None and g.duty() == g.probe_duty
     _feed(g, 0.1, 0.3, 2, key="a")
-    assert g.slowdown() is None  # 2 < min_samples of each kind
+    _feed(g, 0.2, 0.2, 2, key="b")
+    assert g.slowdown() is None  # 2 clear calls per key < min_clear
     _feed(g, 0.1, 0.3, 2, key="a")
+    assert g.slowdown() is None  # only key a's 4 overlapped calls count yet
+    _feed(g, 0.2, 0.2, 1, key="b")  # b: 3 clear calls; pooled: 4 calls at 3, 3 at 1
     assert g.slowdown() == pytest.approx(3.0)
-    _feed(g, 0.2, 0.2, 12, key="b")  # three times as many overlapped calls, no slowdown
-    assert g.slowdown() == pytest.approx((4 * 3.0 + 12 * 1.0) / 16)
+    _feed(g, 0.2, 0.2, 2, key="b")
+    assert g.slowdown() == pytest.approx(1.0)  # 4 at 3, 5 at 1
+
+
+def test_a_partly_overlapped_call_shows_the_slowdown_of_its_overlapped_part():
+    """1 s of work took 1.5 s with 1 s of it overlapped: 0.5 s at full speed, then 0.5 s of work in 1 s."""
+    g = ContentionGuard(min_samples=1, min_clear=3)
+    for t in (0.0, 2.0, 4.0):
+        g.record_call("c", t, t + 1.0, some_idle=True)
+    g.busy_start(10.0)
+    assert g.record_call("c", 9.5, 11.0, some_idle=True) == "overlapped"
+    assert g.slowdown() == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("ratio,duty", [(1.0, 1.0), (1.02, 1.0), (1.5, 0.06), (3.0, 0.03), (100.0, 2 / 99)])
@@ -95,7 +109,7 @@ def test_at_full_duty_it_still_yields_now_and_then_to_keep_the_clear_calls_curre
 
 def test_bad_settings_are_rejected():
     for kw in ({"tolerance": 0.0}, {"min_duty": 0.0}, {"probe_duty": 1.0}, {"min_samples": 0},
-               {"window": 3, "min_samples": 5}, {"probe_every": 0}, {"min_duty": 0.6, "probe_duty": 0.5}):
+               {"window": 3, "min_clear": 5}, {"min_clear": 0}, {"probe_every": 0}, {"min_duty": 0.6, "probe_duty": 0.5}):
         with pytest.raises(ValueError):
             ContentionGuard(**kw)
 

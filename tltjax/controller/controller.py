@@ -161,7 +161,7 @@ class Controller:
             def hook(p: dict) -> None:
                 decoding = len(self.log.in_phase(Phase.ROLLOUT))
                 if "call_start" in p:
-                    guard.record_call((r, p["bucket"], p["strategy"], decoding), p["call_start"], p["call_end"],
+                    guard.record_call((p["bucket"], p["strategy"], decoding), p["call_start"], p["call_end"],
                                       some_idle=decoding < r_count)
                 if user_progress is not None:
                     user_progress(p)

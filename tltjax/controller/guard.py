@@ -6,16 +6,18 @@ cores of a CPU host, a host's memory bandwidth, one chip split in two), an updat
 slows them, and the tail is the critical path. The guard measures that and
 rations the trainer so that the critical path pays at most ``tolerance``.
 
-What it measures. Every decode call of a replica reports its span and a key (the
-replica, its batch bucket, its strategy, how many replicas still decode). A call
-that overlaps the trainer's busy time for at least half its span is *overlapped*;
-one that does not overlap it at all, while at least one replica is idle, is
-*clear* (the other calls are left out). A call of ``c`` seconds' work (the median
-of its key's last ``window`` clear calls) that took ``D`` seconds, a share ``f``
-of them overlapped, ran at ``1/s`` of its speed while overlapped when
-``D·(1 − f) + D·f/s = c``; the median of that ``s`` over the key's last ``window``
-overlapped calls is the key's slowdown, and the keys' slowdowns are averaged,
-weighted by their overlapped calls: ``s``.
+What it measures. Every decode call of a replica reports its span and a key (its
+batch bucket, its strategy, how many replicas still decode: calls of one key do
+the same work). A call that overlaps the trainer's busy time for at least half
+its span is *overlapped*; one that does not overlap it at all, while at least one
+replica is idle, is *clear* (the other calls are left out). A call of ``c``
+seconds' work (the median of its key's last ``window`` clear calls, once there are
+``min_clear``) that took ``D`` seconds, a share ``f`` of them overlapped, ran at
+``1/s`` of its speed while overlapped when ``D·(1 − f) + D·f/s = c``; the median of
+that ``s`` over the overlapped calls of every key (the last ``window`` of each),
+once there are ``min_samples``, is the measured slowdown ``s``. Pooling the keys
+makes it known after a few overlapped calls, however many keys the tail goes
+through.
 
 What it allows. If updates take a share ``d`` of the tail's time, the tail does
 ``1/s`` of its work in that share instead of all of it and finishes later by
@@ -46,16 +48,18 @@ class ContentionGuard:
 
     MAX_SLOWDOWN = 100.0  # what one call can show at most (a call slower than its overlap explains)
 
-    def __init__(self, tolerance: float = 0.02, *, window: int = 32, min_samples: int = 5, probe_duty: float = 0.5,
+    def __init__(self, tolerance: float = 0.02, *, window: int = 32, min_samples: int = 5, min_clear: int = 3,
+                 probe_duty: float = 0.5,
                  min_duty: float = 1e-3, probe_every: int = 16, clock: Callable[[], float] = time.perf_counter):
         if not tolerance > 0:
             raise ValueError(f"tolerance={tolerance} must be > 0 (the allowed slowdown of the tail, e.g. 0.02)")
         if not 0 < min_duty <= probe_duty < 1:
             raise ValueError(f"need 0 < min_duty <= probe_duty < 1; got min_duty={min_duty}, probe_duty={probe_duty}")
-        if window < min_samples or min_samples < 1 or probe_every < 1:
-            raise ValueError(f"need 1 <= min_samples <= window and probe_every >= 1; got min_samples={min_samples}, "
-                             f"window={window}, probe_every={probe_every}")
-        self.tolerance, self.window, self.min_samples = tolerance, window, min_samples
+        if not 1 <= min_clear <= window or min_samples < 1 or probe_every < 1:
+            raise ValueError(f"need min_samples >= 1, 1 <= min_clear <= window and probe_every >= 1; got "
+                             f"min_samples={min_samples}, min_clear={min_clear}, window={window}, "
+                             f"probe_every={probe_every}")
+        self.tolerance, self.window, self.min_samples, self.min_clear = tolerance, window, min_samples, min_clear
         self.probe_duty, self.min_duty, self.probe_every, self.clock = probe_duty, min_duty, probe_every, clock
         self._lock = threading.Lock()
         self._busy: collections.deque = collections.deque()  # finished busy intervals (start, end)
@@ -149,13 +153,9 @@ class ContentionGuard:
     def slowdown(self) -> float | None:
         """How much slower a decode call runs while the trainer is busy (1: not at all); None until known."""
         with self._lock:
-            pairs = [(len(o), list(o), statistics.median(c)) for c, o in self._calls.values()
-                     if len(c) >= self.min_samples and len(o) >= self.min_samples]
-        pairs = [(n, statistics.median(f / max(c / d - 1.0 + f, f / self.MAX_SLOWDOWN) for d, f in o))
-                 for n, o, c in pairs]
-        if not pairs:
-            return None
-        return sum(n * r for n, r in pairs) / sum(n for n, _ in pairs)
+            known = [(statistics.median(c), list(o)) for c, o in self._calls.values() if len(c) >= self.min_clear]
+        each = [f / max(c / d - 1.0 + f, f / self.MAX_SLOWDOWN) for c, o in known for d, f in o]
+        return statistics.median(each) if len(each) >= self.min_samples else None
 
     def duty(self) -> float:
         """The share of the tail's time the trainer may be busy."""

@@ -204,6 +204,17 @@ def test_bad_online_drafter_settings_are_refused_by_name(override, message):
         check_config(load_config(MICRO, [f"--config.rl.{override}"]))
 
 
+@pytest.mark.parametrize("value", ["-0.01", "1.0"])
+def test_a_spot_guard_tolerance_outside_zero_one_is_refused_by_name(value):
+    """controller.spot_guard is the allowed slowdown of the tail: 0 (off) up to below 1."""
+    from tltjax.config import ConfigError
+    from tltjax.rl.trainer import check_config
+
+    with pytest.raises(ConfigError, match=re.escape("config.controller.spot_guard=") + ".*must be in \\[0, 1\\)"):
+        check_config(load_config(MICRO, [f"--config.controller.spot_guard={value}"]))
+    check_config(load_config(MICRO, ["--config.controller.spot_guard=0"]))  # off is allowed
+
+
 def test_online_drafter_optimiser_warms_up_to_its_own_lr(tmp_path, cache_dir):
     """The online drafter's optimiser takes rl.drafter_lr (not the offline drafter.lr) and warms up over
     rl.drafter_warmup_steps updates: its first update is zero, so a fresh Adam state never jolts the

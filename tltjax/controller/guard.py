@@ -8,16 +8,21 @@ rations the trainer so that the critical path pays at most ``tolerance``.
 
 What it measures. Every decode call of a replica reports its span and a key (its
 batch bucket, its strategy, how many replicas still decode: calls of one key do
-the same work). A call that overlaps the trainer's busy time for at least half
-its span is *overlapped*; one that does not overlap it at all, while at least one
-replica is idle, is *clear* (the other calls are left out). A call of ``c``
-seconds' work (the median of its key's last ``window`` clear calls, once there are
-``min_clear``) that took ``D`` seconds, a share ``f`` of them overlapped, ran at
-``1/s`` of its speed while overlapped when ``D·(1 − f) + D·f/s = c``; the median of
-that ``s`` over the overlapped calls of every key (the last ``window`` of each),
-once there are ``min_samples``, is the measured slowdown ``s``. Pooling the keys
-makes it known after a few overlapped calls, however many keys the tail goes
-through.
+the same work, but more of it as the contexts grow). A call that overlaps the
+trainer's busy time for at least half its span is *overlapped*; one that does
+not overlap it at all, while at least one replica is idle, is *clear* (the other
+calls are left out). A call of ``c`` seconds' work (the median of the last
+``NEAREST`` clear calls of its key before it, at least ``min_clear``; failing
+those, of the ones nearest in time) that took ``D`` seconds, a share ``f`` of them
+overlapped, ran at ``1/s`` of its speed while overlapped when
+``D·(1 − f) + D·f/s = c``; the median of that ``s`` over the overlapped calls of
+every key (the last ``window`` of each), once there are ``min_samples``, is the
+measured slowdown ``s``. Pooling the keys makes it known after a few overlapped
+calls, however many keys the tail goes through. Calls older than ``max_age``
+seconds are forgotten: a slowdown that goes away (the first step's compilations,
+a neighbour's job) stops rationing the trainer within that time, however few
+updates it was allowed meanwhile (with too few recent calls ``s`` is unknown
+again and the trainer probes).
 
 What it allows. If updates take a share ``d`` of the tail's time, the tail does
 ``1/s`` of its work in that share instead of all of it and finishes later by
@@ -25,10 +30,12 @@ What it allows. If updates take a share ``d`` of the tail's time, the tail does
 ``d = min(1, tolerance · s / (s − 1))`` of the time (``probe_duty`` while ``s`` is
 unknown, which gives both kinds of calls). It keeps this as a token bucket: time
 the trainer spends yielding earns ``d / (1 − d)`` seconds of busy time, an update
-spends its span, and the balance (at most one update's worth) carries over from
-one RL step to the next, so that even a trainer allowed one update in many steps
-keeps to its share. At ``d = 1`` it still yields one update's span every
-``probe_every`` updates, so that the clear calls stay current.
+spends its span, and the balance (at most one update's worth, or what the
+shortest yield earns) carries over from one RL step to the next, so that even a
+trainer allowed one update in many steps keeps to its share. At ``d = 1`` it still yields one update's span every
+``probe_every`` updates, so that the clear calls stay current. A yield lasts at
+least two decode calls (the median of the last ``window`` calls' spans), so
+that a clear call fits in it even where calls are longer than updates.
 
 The guard bounds the slowdown of the tail only; the stop latency (an update in
 flight when the last replica finishes) comes on top and is measured apart.
@@ -47,12 +54,15 @@ class ContentionGuard:
     """Rations spot training so that the decoding replicas slow down by at most ``tolerance`` (see the module)."""
 
     MAX_SLOWDOWN = 100.0  # what one call can show at most (a call slower than its overlap explains)
+    NEAREST = 5  # an overlapped call is compared with the median of this many clear calls just before it
 
     def __init__(self, tolerance: float = 0.02, *, window: int = 32, min_samples: int = 5, min_clear: int = 3,
-                 probe_duty: float = 0.5,
-                 min_duty: float = 1e-3, probe_every: int = 16, clock: Callable[[], float] = time.perf_counter):
+                 probe_duty: float = 0.5, min_duty: float = 1e-3, probe_every: int = 16, max_age: float = 30.0,
+                 clock: Callable[[], float] = time.perf_counter):
         if not tolerance > 0:
             raise ValueError(f"tolerance={tolerance} must be > 0 (the allowed slowdown of the tail, e.g. 0.02)")
+        if not max_age > 0:
+            raise ValueError(f"max_age={max_age} must be > 0 (seconds an overlapped decode call is remembered)")
         if not 0 < min_duty <= probe_duty < 1:
             raise ValueError(f"need 0 < min_duty <= probe_duty < 1; got min_duty={min_duty}, probe_duty={probe_duty}")
         if not 1 <= min_clear <= window or min_samples < 1 or probe_every < 1:
@@ -61,13 +71,17 @@ class ContentionGuard:
                              f"probe_every={probe_every}")
         self.tolerance, self.window, self.min_samples, self.min_clear = tolerance, window, min_samples, min_clear
         self.probe_duty, self.min_duty, self.probe_every, self.clock = probe_duty, min_duty, probe_every, clock
+        self.max_age = max_age
         self._lock = threading.Lock()
         self._busy: collections.deque = collections.deque()  # finished busy intervals (start, end)
         self._busy_since: float | None = None  # start of the busy interval in progress
-        self._calls: dict[Hashable, tuple[collections.deque, collections.deque]] = {}  # key -> (clear, overlapped)
+        # key -> (clear calls (midpoint, span), overlapped calls (midpoint, span, overlapped share,
+        # median of the clear calls just before it or None))
+        self._calls: dict[Hashable, tuple[collections.deque, collections.deque]] = {}
         self.credit = 0.0  # busy seconds the trainer may still spend
         self.last_span = 0.0  # the last busy span (one update and what prepares it)
         self._updates_at_full = 0
+        self._spans: collections.deque = collections.deque(maxlen=window)  # the last decode calls' spans
         self.counts = {"clear": 0, "overlapped": 0, "mixed": 0, "yields": 0}
 
     # ------------------------------------------------------------------ the trainer's side
@@ -97,9 +111,16 @@ class ContentionGuard:
             self._updates_at_full += 1
 
     def earned(self, seconds: float) -> None:
-        """The trainer yielded for ``seconds`` while it had devices: that earns busy time at the duty's rate."""
+        """The trainer yielded for ``seconds`` while it had devices: that earns busy time at the duty's rate.
+
+        The balance is capped at one update's span, or at what the shortest yield (two decode calls)
+        earns where that is more: a duty near 1 then comes as a short yield and many updates."""
         d = self.duty()
-        self.credit = min(self.credit + seconds * d / (1.0 - d) if d < 1.0 else float("inf"), self.last_span)
+        if d >= 1.0:
+            self.credit = self.last_span
+            return
+        rate = d / (1.0 - d)
+        self.credit = min(self.credit + seconds * rate, max(self.last_span, self._two_calls() * rate))
 
     def wait_before_update(self) -> float:
         """Seconds the trainer must yield before its next update (0: go ahead)."""
@@ -111,14 +132,19 @@ class ContentionGuard:
                 self._updates_at_full = 0
                 self.credit = 0.0
                 self.counts["yields"] += 1
-                return self.last_span
+                return max(self.last_span, self._two_calls())
             self.credit = max(self.credit, self.last_span)
             return 0.0
         need = self.last_span - self.credit
         if need <= 1e-9 * self.last_span:  # (rounding of what was earned)
             return 0.0
         self.counts["yields"] += 1
-        return need * (1.0 - d) / d
+        return max(need * (1.0 - d) / d, self._two_calls())
+
+    def _two_calls(self) -> float:
+        """Twice the median span of the last decode calls (0 before any): the shortest yield worth having."""
+        with self._lock:
+            return 2.0 * statistics.median(self._spans) if self._spans else 0.0
 
     # ------------------------------------------------------------------ the rollout's side
     def record_call(self, key: Hashable, start: float, end: float, *, some_idle: bool) -> str:
@@ -128,6 +154,7 @@ class ContentionGuard:
         if span <= 0.0:
             return "skipped"
         with self._lock:
+            self._spans.append(span)
             overlap = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._busy)
             if self._busy_since is not None:
                 overlap += max(0.0, end - max(self._busy_since, start))
@@ -142,19 +169,31 @@ class ContentionGuard:
                 return "skipped"
             clear, over = self._calls.setdefault(key, (collections.deque(maxlen=self.window),
                                                         collections.deque(maxlen=self.window)))
+            mid = 0.5 * (start + end)  # when the call ran (its work is compared with clear calls near it)
             if kind == "clear":
-                clear.append(span)
-            else:
-                over.append((span, min(overlap / span, 1.0)))
+                clear.append((mid, span))
+            else:  # its reference: the key's last clear calls, before the contexts grew further (or later)
+                last = [d for t, d in list(clear)[-self.NEAREST:] if t >= end - self.max_age]
+                ref = statistics.median(last) if len(last) >= self.min_clear else None
+                over.append((mid, span, min(overlap / span, 1.0), ref))
             self.counts[kind] += 1
         return kind
 
     # ------------------------------------------------------------------ estimates
     def slowdown(self) -> float | None:
         """How much slower a decode call runs while the trainer is busy (1: not at all); None until known."""
+        since = self.clock() - self.max_age
         with self._lock:
-            known = [(statistics.median(c), list(o)) for c, o in self._calls.values() if len(c) >= self.min_clear]
-        each = [f / max(c / d - 1.0 + f, f / self.MAX_SLOWDOWN) for c, o in known for d, f in o]
+            recent = [([x for x in c if x[0] >= since], [x for x in o if x[0] >= since])
+                      for c, o in self._calls.values()]
+        each = []
+        for clear, over in recent:
+            if len(clear) < self.min_clear:
+                continue
+            for t, d, f, c in over:
+                if c is None:  # no clear calls before it: the ones nearest in time
+                    c = statistics.median(x[1] for x in sorted(clear, key=lambda x: abs(x[0] - t))[:self.NEAREST])
+                each.append(f / max(c / d - 1.0 + f, f / self.MAX_SLOWDOWN))
         return statistics.median(each) if len(each) >= self.min_samples else None
 
     def duty(self) -> float:

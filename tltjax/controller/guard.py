@@ -29,13 +29,14 @@ What it allows. If updates take a share ``d`` of the tail's time, the tail does
 ``d·(1 − 1/s)`` of the time, so the guard lets the trainer be busy for
 ``d = min(1, tolerance · s / (s − 1))`` of the time (``probe_duty`` while ``s`` is
 unknown, which gives both kinds of calls). It keeps this as a token bucket: time
-the trainer spends yielding earns ``d / (1 − d)`` seconds of busy time, an update
-spends its span, and the balance (at most one update's worth, or what the
+the trainer spends yielding earns ``d / (1 − d)`` seconds of busy time, an
+update spends its span, and the balance (at most one update's worth, or what the
 shortest yield earns) carries over from one RL step to the next, so that even a
-trainer allowed one update in many steps keeps to its share. At ``d = 1`` it still yields one update's span every
-``probe_every`` updates, so that the clear calls stay current. A yield lasts at
-least two decode calls (the median of the last ``window`` calls' spans), so
-that a clear call fits in it even where calls are longer than updates.
+trainer allowed one update in many steps keeps to its share. At ``d = 1`` it
+still yields one update's span every ``probe_every`` updates, so that the clear
+calls stay current. A yield lasts at least two decode calls (the median of the
+last ``window`` calls' spans), so that a clear call fits in it even where calls
+are longer than updates.
 
 The guard bounds the slowdown of the tail only; the stop latency (an update in
 flight when the last replica finishes) comes on top and is measured apart.

@@ -22,8 +22,8 @@ device has to itself.
 (GPUs), which this host's virtual devices are not: a spot update runs its real
 host side (sampling, packing, placing the state and batch on the training mesh,
 the trainer thread, the guard, the stop), and its device computation is a sleep
-as long as the real update took when it was last run (the first updates of each
-mesh size run for real and set that time). The decoding replicas then lose only
+as long as a real update of that mesh size (the first ``--calibrate`` updates of
+each size run for real; the shortest of them sets the sleep). The decoding replicas then lose only
 what the host side of spot training costs them, as on GPUs; the drafter does
 not learn past those first updates.
 

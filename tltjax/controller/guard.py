@@ -63,7 +63,7 @@ class ContentionGuard:
         if not tolerance > 0:
             raise ValueError(f"tolerance={tolerance} must be > 0 (the allowed slowdown of the tail, e.g. 0.02)")
         if not max_age > 0:
-            raise ValueError(f"max_age={max_age} must be > 0 (seconds an overlapped decode call is remembered)")
+            raise ValueError(f"max_age={max_age} must be > 0 (seconds a decode call is remembered)")
         if not 0 < min_duty <= probe_duty < 1:
             raise ValueError(f"need 0 < min_duty <= probe_duty < 1; got min_duty={min_duty}, probe_duty={probe_duty}")
         if not 1 <= min_clear <= window or min_samples < 1 or probe_every < 1:
